@@ -1,0 +1,73 @@
+"""Chained block hashes for prefix caching, shared by the runtime and the router (torch-free on purpose).
+
+A full block of ``block_size`` token ids is identified by
+
+    H(parent_hash or NONE_HASH, token_ids, extra_keys)  with  H = SHA-256 over canonical CBOR
+
+so any process, in any language, that knows the seed reproduces the same hashes (the router scores pods by them and
+the KV connectors store blocks under them). Only full blocks are hashed. ``extra_keys`` separates caches that must
+never share KV: the ``cache_salt`` (first block only; its hash then flows into every later block through the chain)
+and, later, adapter names.
+
+NONE_HASH is derived from ``PDSERVE_HASH_SEED`` (default ``"pdserve"``). Every process of one deployment must use the
+same seed, or no hash ever matches; different seeds isolate deployments from each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+import cbor2
+
+BlockHash = bytes  # 32-byte SHA-256 digest
+
+HASH_SEED_ENV = "PDSERVE_HASH_SEED"
+
+
+def none_hash(seed: str | None = None) -> BlockHash:
+    """The parent hash of a sequence's first block, derived from the deployment's seed."""
+    seed = os.environ.get(HASH_SEED_ENV, "pdserve") if seed is None else seed
+    return hashlib.sha256(cbor2.dumps(["pdserve-none-hash", seed], canonical=True)).digest()
+
+
+NONE_HASH: BlockHash = none_hash()
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None) -> BlockHash:
+    """Hash one full block given its parent's hash (None for the first block)."""
+    payload = [parent if parent is not None else NONE_HASH, [int(t) for t in token_ids], list(extra_keys or ())]
+    return hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
+    """Extra keys of block ``block_index``: the cache salt goes into the first block only."""
+    if block_index == 0 and cache_salt:
+        return ("salt", cache_salt)
+    return None
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids`` (a trailing partial block is not hashed).
+
+    ``parent``/``start_block`` continue an existing chain: pass the hash of block ``start_block - 1`` and the tokens
+    from block ``start_block`` on, so a growing sequence is hashed incrementally.
+    """
+    hashes: list[BlockHash] = []
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size],
+                            block_extra_keys(start_block + i, cache_salt))
+        hashes.append(parent)
+    return hashes
+
+
+def hash_to_int(h: BlockHash) -> int:
+    """A signed 64-bit view of a hash, the form vLLM-style KV events carry (first 8 bytes, big endian)."""
+    return int.from_bytes(h[:8], "big", signed=True)
