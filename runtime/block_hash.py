@@ -16,19 +16,17 @@ same seed, or no hash ever matches; different seeds isolate deployments from eac
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 
 import cbor2
 
+from pdserve.runtime import envs
+
 BlockHash = bytes  # 32-byte SHA-256 digest
-
-HASH_SEED_ENV = "PDSERVE_HASH_SEED"
-
 
 def none_hash(seed: str | None = None) -> BlockHash:
     """The parent hash of a sequence's first block, derived from the deployment's seed."""
-    seed = os.environ.get(HASH_SEED_ENV, "pdserve") if seed is None else seed
+    seed = envs.hash_seed() if seed is None else seed
     return hashlib.sha256(cbor2.dumps(["pdserve-none-hash", seed], canonical=True)).digest()
 
 

@@ -1,0 +1,20 @@
+"""Every ``PDSERVE_*`` environment variable, read here and nowhere else (torch-free)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where pdserve caches converted model weights and test binaries (PDSERVE_CACHE_DIR, default ~/.cache/pdserve)."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+def hash_seed() -> str:
+    """Seed of the block-hash chain (PDSERVE_HASH_SEED); every process of one deployment must share it."""
+    return os.environ.get("PDSERVE_HASH_SEED", "pdserve")
+
+
+def log_level() -> str:
+    return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
