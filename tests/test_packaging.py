@@ -1,0 +1,63 @@
+"""Packaging invariants: the top-level folders map onto pdserve.*, nothing shadows the standard library, and no
+pickle-style deserialization exists on any network or disk path."""
+
+import re
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB_OPERATOR = Path(subprocess.check_output([sys.executable, "-I", "-c", "import operator; print(operator.__file__)"],
+                                               text=True).strip())
+
+
+@pytest.mark.parametrize("flags", [[], ["-S"]], ids=["site", "no-site"])
+def test_import_operator_from_repo_root_is_stdlib(flags):
+    out = subprocess.run([sys.executable, *flags, "-c", "import operator, collections; print(operator.__file__);"
+                          "print(operator.itemgetter(1)([0, 7]))"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(STDLIB_OPERATOR), "7"]
+
+
+def test_import_operator_in_bare_venv_is_stdlib(tmp_path):
+    # A venv without pip has no .pth files, so nothing preloads the stdlib `operator` before the repo root is searched.
+    venv.create(tmp_path / "bare", with_pip=False)
+    py = tmp_path / "bare" / "bin" / "python"
+    out = subprocess.run([str(py), "-c", "import operator, json; print(operator.__file__, operator.eq(1, 1))"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[1] == "True" and Path(out.stdout.split()[0]).name == "operator.py"
+    assert Path(out.stdout.split()[0]).parent != ROOT / "operator"
+
+
+def test_pdserve_operator_is_the_operator_folder():
+    import pdserve.operator
+
+    assert Path(pdserve.operator.__file__).resolve() == ROOT / "operator" / "__init__.py"
+
+
+def test_block_hash_and_kv_events_are_torch_free():
+    code = "import sys, pdserve.runtime.block_hash, pdserve.runtime.kv_events; print('torch' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", code], cwd="/", text=True).strip() == "False"
+
+
+PICKLE = re.compile(r"^\s*(import (pickle|cloudpickle|dill)|from (pickle|cloudpickle|dill) )|pickle\.loads?\(|"
+                    r"torch\.load\((?![^)]*weights_only\s*=\s*True)")
+
+
+def test_no_pickle_outside_tests():
+    offenders = []
+    for folder in ("pdserve", "runtime", "router", "kv_connectors", "kernels", "operator", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if PICKLE.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_pickle_scan_catches_pickle():
+    assert PICKLE.search("import pickle") and PICKLE.search("x = pickle.loads(b)")
+    assert PICKLE.search("torch.load(f)") and not PICKLE.search("torch.load(f, weights_only=True)")
