@@ -179,6 +179,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
+    config.architectures = [type(hf_model).__name__]
     config.save_pretrained(str(out))
     if hf_model.generation_config is not None:
         hf_model.generation_config.save_pretrained(str(out))

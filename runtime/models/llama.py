@@ -1,0 +1,249 @@
+"""The Llama family in one file: Llama 2/3 (incl. rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k norm).
+
+Config-driven: ``LlamaArgs.from_hf`` reads the few knobs that differ between the architectures; the module tree is the
+same for all of them. Attention reads and writes the paged KV cache through an ``AttentionBackend``; there is no
+per-request state in the model. Numerics follow Hugging Face transformers (RMSNorm in float32, rotate_half RoPE with
+float32 cos/sin cast to the compute dtype) so that float32 greedy output matches it token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int               # < num_heads: grouped-query attention
+    head_dim: int                   # explicit in Qwen3/Mistral configs; hidden_size // num_heads otherwise
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None       # HF rope_parameters / rope_scaling; None or rope_type "default" = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool       # lm_head shares the embedding matrix (SmolLM2, small Qwens)
+    qkv_bias: bool                  # Qwen2: bias on q/k/v only
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool                   # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+    @classmethod
+    def from_hf(cls, cfg: Any, max_model_len: int) -> "LlamaArgs":
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}: the Llama family uses SwiGLU (silu)")
+        model_type = getattr(cfg, "model_type", "llama")
+        window = _sliding_window(cfg, model_type)
+        if window is not None and max_model_len > window:
+            raise ValueError(f"{model_type} uses sliding-window attention (window {window}), which pdserve does not "
+                             f"implement; set max_model_len <= {window} so that it equals full attention")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            rope_scaling=dict(rope) if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _sliding_window(cfg: Any, model_type: str) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if model_type == "mistral":
+        return window
+    layer_types = getattr(cfg, "layer_types", None) or []
+    return window if "sliding_attention" in layer_types else None  # Qwen2/3: only with use_sliding_window
+
+
+def rope_inv_freq(args: LlamaArgs, max_model_len: int) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) float32 for the configured rope type: default, linear, llama3, dynamic."""
+    dim, base = args.head_dim, args.rope_theta
+    scaling = args.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if rope_type == "dynamic" and max_model_len > args.max_position_embeddings:
+        # HF recomputes the base per forward from the current length, which a KV cache cannot follow; like vLLM we fix
+        # it at max_model_len (identical to HF while every sequence stays within max_position_embeddings).
+        factor = scaling["factor"]
+        base = base * ((factor * max_model_len / args.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, dynamic")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.backend = backend
+        self.scale = args.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)       # (T, H, D)
+        k = k.view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
+        v = v.view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin                 # cos/sin: (T, 1, D)
+        k = k * cos + rotate_half(k) * sin
+        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)  # (T, H, D)
+        return self.o_proj(o.reshape(T, self.q_size))      # (T, hidden)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)   # 2 x (T, intermediate)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, h, cos, sin, kv_layer, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF parameter name suffix -> (our fused parameter, shard index); shards are concatenated along dim 0 in index order.
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids (T,), positions (T,), kv_cache, attn_meta) -> hidden (T, hidden_size)``, then
+    ``compute_logits(rows (N, hidden)) -> (N, vocab)`` float32. ``kv_cache`` is the whole model's cache
+    ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``; layer i reads and writes ``kv_cache[:, i]``.
+
+    Build under ``torch.device("meta")`` and call :meth:`load_weights` to materialize it on the target device.
+    """
+
+    def __init__(self, hf_config: Any, backend: AttentionBackend, max_model_len: int | None = None):
+        super().__init__()
+        self.max_model_len = max_model_len or hf_config.max_position_embeddings
+        self.args = args = LlamaArgs.from_hf(hf_config, self.max_model_len)
+        self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.cos_sin: torch.Tensor | None = None  # (max_model_len, 2, D) float32, built by load_weights
+
+    def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)                                  # (T, hidden)
+        cos, sin = self.cos_sin[positions].to(h.dtype).unbind(1)          # 2 x (T, D)
+        cos, sin = cos[:, None, :], sin[:, None, :]                       # (T, 1, D): broadcast over heads
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[:, i], attn_meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()                           # (N, vocab)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype) -> None:
+        """Materialize every parameter from ``(hf_name, tensor)`` pairs; raises on missing or unexpected weights."""
+        params = dict(self.named_parameters())
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / tied to the embedding
+            for hf_part, (ours, idx) in _FUSED.items():
+                if f".{hf_part}." in f".{name}":
+                    name = name.replace(hf_part, ours)
+                    shards.setdefault(name, {})[idx] = tensor
+                    break
+            else:
+                self._assign(params, name, tensor, device, dtype)
+                loaded.add(name)
+        for name, parts in shards.items():
+            self._assign(params, name, torch.cat([parts[i] for i in sorted(parts)], dim=0), device, dtype)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        freqs = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), rope_inv_freq(self.args, self.max_model_len))
+        emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
+        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
+
+    def _assign(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, device, dtype) -> None:
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
