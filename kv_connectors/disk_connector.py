@@ -1,0 +1,117 @@
+"""Disk connector: one file per block under a (shared) directory, keyed by block hash.
+
+Layout: ``<path>/<fingerprint>/<hash[:2]>/<hash>.kvb``. Files are written to a temp file in the same directory and
+``os.replace``d into place, so a reader sees a whole record or none (also across engines sharing the directory).
+A read bumps the file's mtime; when the directory's size passes ``max_bytes`` the least recently used files are
+deleted down to 90% of it (other engines sharing the directory just miss them later).
+
+Config: ``path`` (required), ``max_bytes`` (default 8 GiB), plus the StoreConnector keys.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv_connectors.base import register_connector
+from pdserve.kv_connectors.load_errors import KVLoadError, logger
+from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
+
+
+class DiskStore(BlockStore):
+    def __init__(self, path: str | os.PathLike, fingerprint: str, max_bytes: int = 8 << 30) -> None:
+        self.root = Path(path) / fingerprint
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._size = sum(e.stat().st_size for e in self._entries())
+
+    def _path(self, h: bytes) -> Path:
+        name = h.hex()
+        return self.root / name[:2] / f"{name}.kvb"
+
+    def _entries(self) -> list[os.DirEntry]:
+        out = []
+        for sub in os.scandir(self.root):
+            if sub.is_dir():
+                out += [e for e in os.scandir(sub.path) if e.name.endswith(".kvb")]
+        return out
+
+    def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
+        written = 0
+        try:
+            for h, header, payload in items:
+                path = self._path(h)
+                path.parent.mkdir(exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+                try:
+                    with os.fdopen(fd, "wb", buffering=0) as f:
+                        f.write(header)
+                        f.write(payload)
+                    os.replace(tmp, path)
+                except BaseException:
+                    os.unlink(tmp)
+                    raise
+                written += len(header) + len(payload)
+        except OSError as e:
+            raise KVLoadError(f"disk write failed: {e}") from e
+        with self._lock:
+            self._size += written
+            over = self._size > self.max_bytes
+        if over:
+            self.evict()
+
+    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for h in hashes:
+            path = self._path(h)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    out.append(f.read())
+                os.utime(path)   # LRU: a read counts as a use
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as e:
+                raise KVLoadError(f"disk read failed: {e}") from e
+        return out
+
+    def contains_many(self, hashes: list[bytes]) -> list[bool]:
+        return [self._path(h).exists() for h in hashes]
+
+    def evict(self) -> int:
+        """Delete least recently used files until the directory is under 90% of ``max_bytes``; returns files removed."""
+        entries = []
+        for e in self._entries():
+            try:
+                st = e.stat()
+                entries.append((st.st_mtime, st.st_size, e.path))
+            except FileNotFoundError:
+                pass
+        total = sum(s for _, s, _ in entries)
+        removed = 0
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes * 0.9:
+                break
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            total -= size
+        with self._lock:
+            self._size = total
+        logger.info("disk KV store %s: evicted %d blocks, %d bytes left", self.root, removed, total)
+        return removed
+
+
+@register_connector("disk")
+class DiskConnector(StoreConnector):
+    name = "disk"
+
+    def _make_store(self, config: dict[str, Any]) -> DiskStore:
+        if not config.get("path"):
+            raise ValueError('the disk connector needs {"path": "<directory>"} in its config')
+        return DiskStore(config["path"], self.spec.fingerprint(), int(config.get("max_bytes", 8 << 30)))

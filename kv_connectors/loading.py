@@ -1,0 +1,204 @@
+"""The load bookkeeping every pdserve connector shares: claims, per-request load jobs, async loading, error reports.
+
+Subclasses answer two questions and the rest follows the base contract:
+
+* :meth:`LoadingConnector._num_loadable` - how many blocks from ``start`` on could be loaded for this request;
+* :meth:`LoadingConnector._load` - load a job's blocks into the registered cache (``_write_block``), returning the
+  block ids that failed, each with its :class:`KVLoadError`.
+
+Invariants: a claimed load is always reported finished (``get_finished()[1]`` for async loads), failed or not; every
+failed block id is reported exactly once by ``get_block_ids_with_load_errors``; a job that overruns its deadline is
+cancelled (its late writes are dropped) and reported as timed out; a request that finishes while its load is in flight
+keeps its blocks (delay_free) until the load thread is done with them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, KVConnectorBase, KVConnectorMetadata
+from pdserve.kv_connectors.load_errors import ConnectorStats, KVLoadError, LoadTimeout, logger
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    blocks: list[tuple[int, int, bytes]]       # (block_index in the request, block id, block hash)
+    params: dict[str, Any] | None               # the request's kv_transfer_params
+    is_async: bool
+    deadline: float = 0.0
+    cancelled: bool = False
+
+
+class LoadingConnector(KVConnectorBase):
+    """Shared scheduler/worker bookkeeping for loads. Config: ``async_load`` (default true), ``load_timeout_s``."""
+
+    name = "loading"
+
+    def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
+        super().__init__(role, config, spec)
+        self.stats = ConnectorStats(self.name)
+        self.async_load = bool(config.get("async_load", True))
+        self.load_timeout_s = float(config.get("load_timeout_s", 10.0))
+        self.fingerprint = spec.fingerprint()
+        self.dtype: torch.dtype = getattr(torch, spec.dtype)
+        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._claims: dict[str, tuple[int, list[bytes]]] = {}
+        self._allocated: dict[str, LoadJob] = {}
+        self._scheduled: dict[str, LoadJob] = {}
+        self._running: dict[str, LoadJob] = {}
+        self._free_after_load: set[str] = set()
+        self._recving_done: set[str] = set()
+        self._sending_done: set[str] = set()
+        self._bad_blocks: set[int] = set()
+        self._pool = ThreadPoolExecutor(int(config.get("load_threads", 2)), thread_name_prefix=f"pdserve-{self.name}")
+
+    # ---- subclass hooks ---------------------------------------------------------------------------------------------
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
+        """Consecutive blocks ``hashes[start:]`` that can be loaded (``hashes`` already excludes the last token)."""
+        raise NotImplementedError
+
+    def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
+        """Load ``job.blocks`` into the cache; return {block_id: error} for the blocks that failed."""
+        raise NotImplementedError
+
+    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, None
+
+    # ---- scheduler side -------------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.spec.block_size
+        self._claims.pop(request.request_id, None)
+        if num_computed_tokens % bs:
+            return 0, False
+        hashes = list(request.block_hashes[: (len(request.prompt_token_ids) - 1) // bs])
+        start = num_computed_tokens // bs
+        if start >= len(hashes):
+            return 0, False
+        try:
+            n = min(self._num_loadable(request, start, hashes), len(hashes) - start)
+        except Exception:   # a lookup that fails is a miss: the engine computes the prompt itself
+            logger.exception("%s: lookup failed for request %s", self.name, request.request_id)
+            n = 0
+        if n <= 0:
+            return 0, False
+        self._claims[request.request_id] = (start, hashes[start:start + n])
+        return n * bs, self.async_load
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
+        claim = self._claims.pop(request.request_id, None)
+        if claim is None or num_external_tokens <= 0:
+            return
+        start, hashes = claim
+        n = min(len(hashes), num_external_tokens // self.spec.block_size)
+        blocks = [(start + i, block_ids[start + i], hashes[i]) for i in range(n)]
+        self._allocated[request.request_id] = LoadJob(request.request_id, blocks, request.kv_transfer_params,
+                                                      self.async_load)
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(loads={rid: [(i, b) for i, b, _ in job.blocks] for rid, job in self._allocated.items()})
+        self._scheduled.update(self._allocated)
+        self._allocated.clear()
+        return meta
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._claims.pop(rid, None)
+        self._allocated.pop(rid, None)
+        with self._lock:
+            if rid in self._running:   # the load thread may still write into these blocks: keep them until it is done
+                self._free_after_load.add(rid)
+                return True, None
+        return self._on_request_finished(request, block_ids)
+
+    # ---- worker side ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        assert tuple(kv_cache.shape[1:]) == self.block_shape and kv_cache.dtype == self.dtype, \
+            f"cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match the spec {self.block_shape} {self.dtype}"
+        self.kv_cache = kv_cache
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        for rid in meta.loads:
+            job = self._scheduled.pop(rid, None)
+            if job is None:
+                continue
+            if job.is_async:
+                job.deadline = time.monotonic() + self.load_timeout_s * 2 + 5.0
+                with self._lock:
+                    self._running[rid] = job
+                self._pool.submit(self._run, job)
+            else:
+                self._run(job)
+
+    def _run(self, job: LoadJob) -> None:
+        try:
+            errors = self._load(job)
+        except KVLoadError as e:
+            errors = {b: e for _, b, _ in job.blocks}
+        except Exception as e:  # a bug or an unexpected library error must still end the load
+            logger.exception("%s: load of request %s crashed", self.name, job.request_id)
+            errors = {b: KVLoadError(repr(e)) for _, b, _ in job.blocks}
+        with self._lock:
+            if job.cancelled:
+                return
+            self._finish_job(job, errors)
+
+    def _finish_job(self, job: LoadJob, errors: dict[int, KVLoadError]) -> None:
+        # caller holds self._lock
+        self._running.pop(job.request_id, None)
+        self._bad_blocks |= set(errors)
+        if job.is_async:
+            self._recving_done.add(job.request_id)
+        if job.request_id in self._free_after_load:
+            self._free_after_load.discard(job.request_id)
+            self._sending_done.add(job.request_id)
+        by_kind: dict[str, list[KVLoadError]] = {}
+        for e in errors.values():
+            by_kind.setdefault(e.kind, []).append(e)
+        for errs in by_kind.values():
+            self.stats.failure(errs[0], job.request_id, len(errs))
+        ok = len(job.blocks) - len(errors)
+        self.stats.add("kv_blocks_loaded", ok)
+        self.stats.add("kv_bytes_loaded", ok * self.spec.block_bytes)
+
+    def _write_block(self, job: LoadJob, block_id: int, block: torch.Tensor) -> None:
+        """Copy a verified block into the cache unless the job was cancelled (its blocks may belong to others now)."""
+        with self._lock:
+            if job.cancelled:
+                raise LoadTimeout("load cancelled after its deadline")
+            self.kv_cache[block_id].copy_(block)
+
+    def save_kv(self, meta: KVConnectorMetadata) -> None:
+        """Saves happen when the engine reports computed tokens (request_scheduled_for_save / request_finished)."""
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        now = time.monotonic()
+        with self._lock:
+            for job in [j for j in self._running.values() if now > j.deadline]:
+                job.cancelled = True
+                self._finish_job(job, {b: LoadTimeout(f"no answer within {self.load_timeout_s}s") for _, b, _ in job.blocks})
+            sending, recving = self._sending_done | self._finished_sending(), self._recving_done
+            self._sending_done, self._recving_done = set(), set()
+        return sending, recving
+
+    def _finished_sending(self) -> set[str]:
+        return set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

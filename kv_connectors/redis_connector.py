@@ -1,0 +1,95 @@
+"""Redis connector: blocks under ``<key_prefix><fingerprint>:<block hash hex>`` with a TTL, so Redis doubles as a
+prefix cache shared by every pod of a deployment (and as the P/D handoff medium).
+
+Every call has a socket timeout and no client-side retries, so a Redis that is down makes loads fail within about
+``socket_timeout_s`` (reported as ``peer_unreachable`` or ``timeout`` load errors) and saves be skipped and counted;
+after a failure the store is skipped for ``retry_after_s``. Writes and reads are pipelined (one round trip per batch);
+a read refreshes the block's TTL (GETEX), so hot prefixes stay.
+
+Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:password), ``password``, ``username``,
+``ttl_s`` (3600), ``socket_timeout_s`` (2), ``connect_timeout_s`` (1), ``key_prefix`` ("pdserve:kv:"), and TLS:
+``ssl`` (bool), ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` ("required").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pdserve.kv_connectors.base import register_connector
+from pdserve.kv_connectors.load_errors import KVLoadError, LoadTimeout, PeerUnreachable
+from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
+
+
+def _translate(e: redis.RedisError) -> KVLoadError:
+    if isinstance(e, redis.TimeoutError):
+        return LoadTimeout(f"redis timed out: {e}")
+    if isinstance(e, redis.ConnectionError):
+        return PeerUnreachable(f"redis unreachable: {e}")
+    return KVLoadError(f"redis error: {e}")
+
+
+class RedisStore(BlockStore):
+    def __init__(self, config: dict[str, Any], fingerprint: str) -> None:
+        if not config.get("url"):
+            raise ValueError('the redis connector needs {"url": "redis://host:port"} in its config')
+        kwargs: dict[str, Any] = dict(
+            socket_timeout=float(config.get("socket_timeout_s", 2.0)),
+            socket_connect_timeout=float(config.get("connect_timeout_s", 1.0)),
+            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        )
+        for key in ("password", "username"):
+            if config.get(key):
+                kwargs[key] = config[key]
+        if config.get("ssl"):
+            kwargs["ssl"] = True  # also implied by a rediss:// url
+        for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+            if config.get(key):
+                kwargs[key] = config[key]
+        self.client = redis.Redis.from_url(config["url"], **kwargs)
+        self.ttl_s = int(config.get("ttl_s", 3600))
+        self.prefix = f"{config.get('key_prefix', 'pdserve:kv:')}{fingerprint}:".encode()
+
+    def key(self, h: bytes) -> bytes:
+        return self.prefix + h.hex().encode()
+
+    def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for h, header, payload in items:
+                    pipe.set(self.key(h), header + payload, ex=self.ttl_s)
+                pipe.execute()
+        except redis.RedisError as e:
+            raise _translate(e) from e
+
+    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for h in hashes:
+                    pipe.getex(self.key(h), ex=self.ttl_s)
+                return pipe.execute()
+        except redis.RedisError as e:
+            raise _translate(e) from e
+
+    def contains_many(self, hashes: list[bytes]) -> list[bool]:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for h in hashes:
+                    pipe.exists(self.key(h))
+                return [bool(n) for n in pipe.execute()]
+        except redis.RedisError as e:
+            raise _translate(e) from e
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@register_connector("redis")
+class RedisConnector(StoreConnector):
+    name = "redis"
+
+    def _make_store(self, config: dict[str, Any]) -> RedisStore:
+        return RedisStore(config, self.spec.fingerprint())

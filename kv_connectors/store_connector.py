@@ -1,0 +1,198 @@
+"""Connectors backed by a key-value block store (disk, Redis): a shared prefix cache and a P/D handoff medium.
+
+Blocks are stored under their chained block hash (namespaced by the cache fingerprint, so engines with different
+models or dtypes sharing one store never see each other's blocks) as :mod:`block_codec` records.
+
+* Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
+  (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background thread.
+  A prefill request with ``do_remote_decode`` is written synchronously before its ``kv_transfer_params`` are returned,
+  so the decode side finds every block. A store that fails is skipped for ``retry_after_s`` (counted, never fatal).
+* Loading: a request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
+  matches its own prompt (a missing one is then a load error the engine recovers from); any other request claims the
+  run of consecutive blocks the store holds beyond its local prefix hits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pdserve.kv_connectors import block_codec
+from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
+from pdserve.kv_connectors.load_errors import FingerprintMismatch, KVLoadError, MissingBlock, logger
+from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
+
+
+class BlockStore(ABC):
+    """Bytes under block hashes. Implementations bound every call with a timeout."""
+
+    @abstractmethod
+    def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
+        """Store (block hash, header, payload) records."""
+
+    @abstractmethod
+    def get_many(self, hashes: list[bytes]) -> list[bytes | memoryview | None]:
+        """The stored records (None where absent). Raises KVLoadError when the store itself fails."""
+
+    @abstractmethod
+    def contains_many(self, hashes: list[bytes]) -> list[bool]:
+        ...
+
+    def close(self) -> None:
+        pass
+
+
+class StoreConnector(LoadingConnector):
+    """Config (besides the store's own): ``save`` (default true), ``load`` (default true), ``retry_after_s`` (5),
+    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff)."""
+
+    def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
+        super().__init__(role, config, spec)
+        self.store = self._make_store(config)
+        self.save_enabled = bool(config.get("save", True))
+        self.load_enabled = bool(config.get("load", True))
+        self.retry_after_s = float(config.get("retry_after_s", 5.0))
+        self.handoff_timeout_s = float(config.get("handoff_timeout_s", 30.0))
+        self.engine_id = str(config.get("engine_id") or uuid.uuid4())
+        self._saved_upto: dict[str, int] = {}
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes this process saved recently
+        self._known_cap = 65536
+        self._store_down_until = 0.0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
+        self._known_lock = threading.Lock()
+
+    def _make_store(self, config: dict[str, Any]) -> BlockStore:
+        raise NotImplementedError
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
+        if not self.load_enabled:
+            return 0
+        params = request.kv_transfer_params or {}
+        remote = params.get("block_hashes") if params.get("do_remote_prefill") else None
+        if remote is not None:
+            n = 0
+            while start + n < min(len(hashes), len(remote)) and remote[start + n] == hashes[start + n].hex():
+                n += 1
+            return n
+        if time.monotonic() < self._store_down_until:
+            return 0
+        try:
+            found = self.store.contains_many(hashes[start:])
+        except KVLoadError as e:
+            self._mark_down(e, "lookup")
+            return 0
+        return found.index(False) if False in found else len(found)
+
+    def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
+        params = job.params or {}
+        if params.get("do_remote_prefill") and params.get("fingerprint") not in (None, self.fingerprint):
+            raise FingerprintMismatch(f"prefill fingerprint {params['fingerprint']} != ours {self.fingerprint}")
+        records = self.store.get_many([h for _, _, h in job.blocks])
+        errors: dict[int, KVLoadError] = {}
+        for (_, block_id, h), data in zip(job.blocks, records):
+            try:
+                if data is None:
+                    raise MissingBlock(f"block {h.hex()[:16]} is not in the store")
+                block = block_codec.decode_block(data, self.fingerprint, h, self.dtype, self.block_shape)
+                self._write_block(job, block_id, block)
+            except KVLoadError as e:
+                errors[block_id] = e
+        return errors
+
+    # ---- saving --------------------------------------------------------------------------------------------------
+    def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int], num_computed_tokens: int) -> None:
+        n = min(num_computed_tokens // self.spec.block_size, len(request.block_hashes), len(block_ids))
+        self._save_range(request, block_ids, n, sync=False)
+
+    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        handoff = bool(params.get("do_remote_decode"))
+        n = min(len(request.block_hashes), len(block_ids))
+        if handoff:  # the decode side must find every block: let queued writes land, then write what is missing
+            try:
+                self.flush(self.handoff_timeout_s)
+            except Exception as e:  # a stuck writer: the decode side then reports missing blocks and recovers
+                logger.warning("%s: queued saves not done for %s: %r", self.name, request.request_id, e)
+            self._saved_upto.pop(request.request_id, None)
+            self._save_range(request, block_ids, n, sync=True, force=True)
+        else:
+            self._save_range(request, block_ids, n, sync=False)
+        self._saved_upto.pop(request.request_id, None)
+        if not handoff:
+            return False, None
+        return False, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
+            "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
+            "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
+        }
+
+    def _save_range(self, request: ConnectorRequest, block_ids: list[int], upto: int, *, sync: bool,
+                    force: bool = False) -> None:
+        start = self._saved_upto.get(request.request_id, 0)
+        self._saved_upto[request.request_id] = max(start, upto)
+        if not self.save_enabled or upto <= start or self.kv_cache is None:
+            return
+        hashes = request.block_hashes
+        with self._known_lock:
+            todo = [(hashes[i], block_ids[i]) for i in range(start, upto) if force or hashes[i] not in self._known]
+        if force and todo:
+            try:
+                present = self.store.contains_many([h for h, _ in todo])
+                todo = [t for t, p in zip(todo, present) if not p]
+            except KVLoadError as e:
+                self._mark_down(e, "save")
+                return
+        if not todo:
+            return
+        if not force and time.monotonic() < self._store_down_until:
+            self.stats.add("kv_saves_skipped", len(todo))
+            return
+        # One gather copy: the snapshot stays valid even if the engine reuses the blocks before the write.
+        snap = self.kv_cache[torch.tensor([b for _, b in todo])].cpu()
+        if sync:
+            self._write(request.request_id, [h for h, _ in todo], snap)
+        else:
+            self._writer.submit(self._write, request.request_id, [h for h, _ in todo], snap)
+
+    def _write(self, request_id: str, hashes: list[bytes], snap: torch.Tensor) -> None:
+        items = []
+        for h, block in zip(hashes, snap):
+            payload = block_codec.tensor_bytes(block)
+            items.append((h, block_codec.encode_header(block, self.fingerprint, h, payload), payload))
+        try:
+            self.store.put_many(items)
+        except KVLoadError as e:
+            self.stats.add("kv_saves_skipped", len(items))
+            self._mark_down(e, f"save of request {request_id}")
+            return
+        with self._known_lock:
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+            while len(self._known) > self._known_cap:
+                self._known.popitem(last=False)
+        self.stats.add("kv_blocks_saved", len(items))
+        self.stats.add("kv_bytes_saved", len(items) * self.spec.block_bytes)
+
+    def _mark_down(self, error: Exception, what: str) -> None:
+        self._store_down_until = time.monotonic() + self.retry_after_s
+        self.stats.add("kv_store_errors")
+        logger.warning("%s: %s failed (%s); skipping the store for %.0fs", self.name, what, error, self.retry_after_s)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued save is written (tests, graceful shutdown)."""
+        self._writer.submit(lambda: None).result(timeout)
+
+    def shutdown(self) -> None:
+        self._writer.shutdown(wait=True)
+        super().shutdown()
+        self.store.close()

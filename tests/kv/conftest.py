@@ -1,0 +1,77 @@
+"""Drive connectors through the base contract exactly as the engine does, on a small plain KV tensor (no model)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.kv_connectors.base import KVCacheSpec, KVConnectorBase
+from pdserve.runtime.block_hash import hash_token_blocks
+
+BLOCK = 4
+SPEC = KVCacheSpec(model="tiny-test", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK)
+
+
+@dataclass
+class Req:
+    """The fields of an engine request a connector may read (ConnectorRequest)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK, self.cache_salt)
+
+
+def make_cache(num_blocks: int = 32, spec: KVCacheSpec = SPEC, fill: bool = False) -> torch.Tensor:
+    shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    dtype = getattr(torch, spec.dtype)
+    return torch.randn(shape).to(dtype) if fill else torch.zeros(shape, dtype=dtype)
+
+
+def prefill(conn: KVConnectorBase, req: Req, block_ids: list[int]) -> dict | None:
+    """The engine's view of a request that computed its whole prompt and finished."""
+    conn.request_scheduled_for_save(req, block_ids, len(req.prompt_token_ids))
+    delay, params = conn.request_finished(req, block_ids)
+    return params
+
+
+@dataclass
+class LoadResult:
+    num_tokens: int
+    is_async: bool
+    bad_blocks: set[int]
+    seconds: float
+
+
+def load(conn: KVConnectorBase, req: Req, block_ids: list[int], num_local_tokens: int = 0,
+         timeout: float = 60.0) -> LoadResult:
+    """schedule -> alloc -> meta -> start_load_kv -> poll get_finished (async) -> load errors, as the engine does."""
+    t0 = time.monotonic()
+    n, is_async = conn.get_num_new_matched_tokens(req, num_local_tokens)
+    conn.update_state_after_alloc(req, block_ids, n)
+    meta = conn.build_connector_meta()
+    conn.start_load_kv(meta)
+    bad: set[int] = set()
+    if n and is_async:
+        while True:
+            _, recving = conn.get_finished()
+            bad |= conn.get_block_ids_with_load_errors()
+            if req.request_id in recving:
+                break
+            assert time.monotonic() - t0 < timeout, "load never reported finished"
+            time.sleep(0.01)
+    bad |= conn.get_block_ids_with_load_errors()
+    return LoadResult(n, is_async, bad, time.monotonic() - t0)
+
+
+@pytest.fixture
+def spec() -> KVCacheSpec:
+    return SPEC

@@ -1,0 +1,128 @@
+"""Disk connector with a real directory, driven through the connector contract."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from pdserve.kv_connectors import block_codec
+from pdserve.kv_connectors.base import create_connector
+from pdserve.kv_connectors.disk_connector import DiskStore
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+
+PROMPT = list(range(100, 100 + 5 * BLOCK + 2))   # 5 full blocks + 2 tokens
+
+
+def _pair(tmp_path, **extra):
+    cfg = {"path": str(tmp_path), **extra}
+    p, d = create_connector("disk", "prefill", cfg, SPEC), create_connector("disk", "decode", cfg, SPEC)
+    p.register_kv_caches(make_cache(fill=True))
+    d.register_kv_caches(make_cache())
+    return p, d
+
+
+def _block_files(tmp_path):
+    return sorted((tmp_path / SPEC.fingerprint()).glob("*/*.kvb"))
+
+
+def test_handoff_round_trip_and_params(tmp_path):
+    p, d = _pair(tmp_path)
+    src = [3, 7, 1, 9, 4, 11]
+    params = prefill(p, Req("r1", PROMPT, {"do_remote_decode": True}), src)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == src[:5] and len(params["block_hashes"]) == 5
+    assert len(_block_files(tmp_path)) == 5
+    dst = [20, 21, 22, 23, 24, 25]
+    res = load(d, Req("r1", PROMPT, params), dst)
+    assert res.num_tokens == 5 * BLOCK and res.is_async and not res.bad_blocks
+    for s, t in zip(src[:5], dst[:5]):
+        assert torch.equal(p.kv_cache[s], d.kv_cache[t])
+    assert d.metrics()["kv_blocks_loaded"] == 5 and p.metrics()["kv_blocks_saved"] == 5
+
+
+def test_last_token_never_loaded_and_local_hits_skipped(tmp_path):
+    p, d = _pair(tmp_path)
+    prompt = list(range(4 * BLOCK))                 # exactly 4 blocks: the 4th holds the last token
+    params = prefill(p, Req("r", prompt, {"do_remote_decode": True}), [1, 2, 3, 4])
+    res = load(d, Req("r", prompt, params), [5, 6, 7, 8], num_local_tokens=BLOCK)
+    assert res.num_tokens == 2 * BLOCK               # blocks 1, 2 (block 0 local, block 3 holds the last token)
+    assert torch.equal(d.kv_cache[6], p.kv_cache[2]) and torch.equal(d.kv_cache[7], p.kv_cache[3])
+    assert not d.kv_cache[5].any() and not d.kv_cache[8].any()
+
+
+def test_shared_prefix_cache_without_params(tmp_path):
+    p, d = _pair(tmp_path, async_load=False)
+    prefill(p, Req("a", PROMPT), [1, 2, 3, 4, 5, 6])
+    p.flush()
+    other = PROMPT[: 3 * BLOCK] + [7] * (2 * BLOCK)  # shares 3 blocks, then diverges
+    res = load(d, Req("b", other), [10, 11, 12, 13, 14])
+    assert (res.num_tokens, res.is_async, res.bad_blocks) == (3 * BLOCK, False, set())
+    assert torch.equal(d.kv_cache[12], p.kv_cache[3])
+
+
+@pytest.mark.parametrize("fault, kind", [("delete", "missing"), ("corrupt", "corrupt"), ("truncate", "corrupt")])
+def test_damaged_block_reported_as_load_error(tmp_path, fault, kind):
+    p, d = _pair(tmp_path)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
+    victim = (tmp_path / SPEC.fingerprint() / params["block_hashes"][2][:2] / f"{params['block_hashes'][2]}.kvb")
+    data = victim.read_bytes()
+    if fault == "delete":
+        victim.unlink()
+    elif fault == "corrupt":
+        victim.write_bytes(data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:])
+    else:
+        victim.write_bytes(data[: len(data) // 2])
+    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15])
+    assert res.bad_blocks == {12}
+    m = d.metrics()
+    assert m[f"kv_load_failures{{kind={kind}}}"] == 1 and m["kv_blocks_loaded"] == 4
+
+
+def test_fingerprint_mismatch_fails_every_block(tmp_path):
+    p, d = _pair(tmp_path)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
+    res = load(d, Req("r", PROMPT, {**params, "fingerprint": "0" * 32}), [10, 11, 12, 13, 14, 15])
+    assert res.bad_blocks == {10, 11, 12, 13, 14}
+    assert d.metrics()["kv_load_failures{kind=fingerprint}"] == 1
+
+
+def test_lru_cap_evicts_least_recently_used(tmp_path):
+    rec = SPEC.block_bytes + 132
+    store = DiskStore(tmp_path, "fp", max_bytes=int(rec * 4.5))
+    blk = torch.zeros(SPEC.num_layers, 2, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    for i, h in enumerate(hashes[:4]):
+        pl = block_codec.tensor_bytes(blk)
+        store.put_many([(h, block_codec.encode_header(blk, "fp", h, pl), pl)])
+        os.utime(store._path(h), (1000 + i, 1000 + i))
+    store.get_many([hashes[0]])                           # a read makes block 0 the most recently used
+    for h in hashes[4:]:
+        pl = block_codec.tensor_bytes(blk)
+        store.put_many([(h, block_codec.encode_header(blk, "fp", h, pl), pl)])
+    present = store.contains_many(hashes)
+    assert present[0] and present[5] and not present[1]
+    assert sum(f.stat().st_size for f in tmp_path.glob("fp/*/*.kvb")) <= rec * 4.5
+
+
+def test_atomic_writes_never_expose_partial_records(tmp_path):
+    """A reader racing many rewrites of the same block sees a complete, valid record or nothing."""
+    p, d = _pair(tmp_path)
+    req = Req("r", PROMPT, {"do_remote_decode": True})
+    params = prefill(p, req, [1, 2, 3, 4, 5, 6])
+    stop, errors = threading.Event(), []
+
+    def writer():
+        while not stop.is_set():
+            p._write("w", req.block_hashes[:5], p.kv_cache[torch.tensor([1, 2, 3, 4, 5])].clone())
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for i in range(30):
+            res = load(d, Req(f"r{i}", PROMPT, params), [10, 11, 12, 13, 14, 15])
+            errors += list(res.bad_blocks)
+    finally:
+        stop.set()
+        t.join()
+    assert errors == [] and not list(tmp_path.glob("**/.tmp-*"))
