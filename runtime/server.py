@@ -1,0 +1,424 @@
+"""OpenAI-compatible HTTP server over one engine: ``build_app(engine, options)`` and ``run_server(args)``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming shaped like OpenAI's),
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (API key protected when one is set), and the open
+``GET /health``, ``GET /metrics``, ``GET /version``. Every error is OpenAI-shaped JSON (``protocol.ApiError``).
+
+Request life: validate -> tokenize (chat template for chat) -> length/queue checks -> ``AsyncEngine.add`` -> read the
+request's stream until finished, emitting deltas of the engine's cumulative outputs. A client that goes away aborts its
+request (the engine frees its blocks). ``drain(grace)`` (SIGTERM) answers 503 to new requests, lets in-flight ones
+finish within the grace period, then aborts the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve import __version__
+from pdserve.runtime import metrics as metrics_mod
+from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pdserve.runtime.kv_event_publisher import KVEventPublisher
+from pdserve.runtime.metrics import ServerMetrics
+from pdserve.runtime.outputs import RequestOutput
+from pdserve.runtime.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, error_body, parse)
+from pdserve.runtime.responses import ResponseBuilder
+from pdserve.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None
+    max_waiting: int | None = None        # requests accepted but not started beyond this -> 503 + Retry-After
+    role: str = "both"
+    disconnect_poll_s: float = 0.5        # how often a non-streaming request checks whether its client left
+
+
+class _State:
+    def __init__(self, engine: Any, options: ServerOptions, metrics: ServerMetrics, async_engine: AsyncEngine):
+        self.engine, self.options, self.metrics, self.async_engine = engine, options, metrics, async_engine
+        self.draining = False
+        self.model_names = {engine.served_model_name, str(getattr(engine.config.model, "model", None) or "")} - {""}
+        self.vocab_size = int(engine.hf_config.vocab_size)
+        self.created = int(time.time())
+
+
+def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
+              kv_publisher: KVEventPublisher | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; the engine loop thread runs for the app's lifespan."""
+    metrics = ServerMetrics(engine.served_model_name)
+    state = _State(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
+    builder = ResponseBuilder(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start()
+        try:
+            yield
+        finally:
+            state.async_engine.abort_all()
+            state.async_engine.stop()
+
+    app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.pdserve = state
+    _install_error_handlers(app)
+
+    def guard(request: Request) -> None:
+        """API key and drain checks for the inference endpoints."""
+        key = options.api_key
+        if key:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        if state.draining:
+            metrics.rejected("draining")
+            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S})
+        if state.async_engine.dead is not None:
+            raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
+
+    guarded = [Depends(guard)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.async_engine.dead is not None:
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "role": options.role})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
+            "root": str(getattr(engine.config.model, "model", None) or engine.served_model_name),
+            "parent": None, "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = parse(TokenizeRequest, await _json(request))
+        _check_model(state, req.model)
+        if req.messages is not None:
+            ids = _chat_ids(engine, [{"role": m.role, "content": m.text()} for m in req.messages],
+                            req.add_generation_prompt)
+        else:
+            ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await _json(request))
+        _check_model(state, req.model)
+        _check_token_ids(state, req.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await _json(request))
+        _check_model(state, req.model)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = list(engine.tokenizer.encode(prompt))
+        else:
+            _check_token_ids(state, prompt, "prompt")
+            prompt_ids = list(prompt)
+        params = _sampling_params(state, req, prompt_ids, req.max_tokens, req.logprobs)
+        return await _serve(request, state, builder, "completion", req, prompt_ids, params)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
+        _check_model(state, req.model)
+        prompt_ids = _chat_ids(engine, req.message_dicts(), req.add_generation_prompt)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = _sampling_params(state, req, prompt_ids, req.token_limit(), num_logprobs)
+        return await _serve(request, state, builder, "chat", req, prompt_ids, params)
+
+    return app
+
+
+async def drain(app: FastAPI, grace_period_s: float) -> int:
+    """Stop taking requests (503), wait up to ``grace_period_s`` for in-flight ones, abort the rest; returns how many
+    were aborted. Aborted requests end with ``finish_reason="abort"`` so their clients still get a response."""
+    state: _State = app.state.pdserve
+    state.draining = True
+    ae = state.async_engine
+    deadline = time.monotonic() + grace_period_s
+    while ae.num_inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    aborted = ae.abort_all()
+    if aborted:
+        logger.warning("grace period over: aborted %d in-flight request(s)", aborted)
+    deadline = time.monotonic() + 5.0   # let aborted responses flush
+    while ae.num_inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return aborted
+
+
+# ---- request helpers ----
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+
+
+def _check_model(state: _State, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise ApiError(400, f"model {model!r} not found; this server serves {state.engine.served_model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _check_token_ids(state: _State, ids: list[int], param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", param=param)
+
+
+def _chat_ids(engine: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    try:
+        return list(engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+    except ValueError as e:
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def _sampling_params(state: _State, req: Any, prompt_ids: list[int], max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    limit = state.engine.max_model_len
+    if len(prompt_ids) >= limit:
+        raise ApiError(400, f"prompt has {len(prompt_ids)} tokens, the maximum context length is {limit}",
+                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+    elif len(prompt_ids) + max_tokens > limit:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the maximum "
+                       f"context length {limit}", param="max_tokens")
+    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids")}
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              **{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _request_id(request: Request, state: _State, body_id: str | None) -> tuple[str, str]:
+    """(client-visible id, engine id): the engine id gets a suffix if a client reuses an id still in flight."""
+    base = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    rid = base
+    while state.async_engine.is_inflight(rid):
+        rid = f"{base}-{uuid.uuid4().hex[:8]}"
+    return base, rid
+
+
+async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind: str, req: Any,
+                 prompt_ids: list[int], params: SamplingParams) -> Response:
+    ae, metrics = state.async_engine, state.metrics
+    max_waiting = state.options.max_waiting
+    if max_waiting is not None and ae.num_unstarted >= max_waiting:
+        metrics.rejected("queue_full")
+        raise ApiError(503, f"server overloaded: {ae.num_unstarted} requests waiting (limit {max_waiting})",
+                       headers={"Retry-After": RETRY_AFTER_S})
+    base_id, rid = _request_id(request, state, req.request_id)
+    arrival = time.monotonic()
+    try:
+        stream = await ae.add(rid, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt,
+                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time())
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+    resp_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
+    timer = _Timer(metrics, arrival)
+    headers = {"X-Request-Id": base_id}
+    if req.stream:
+        gen = _stream_events(state, builder, kind, req, resp_id, prompt_ids, stream, timer)
+        return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+    try:
+        final = await _await_final(request, state, stream, timer)
+    finally:
+        ae.release(stream)
+    if final is not None and final.outputs[0].finish_reason == "error":
+        raise ApiError(503, f"request failed in the engine: {final.error or 'unknown error'}",
+                       code="engine_error", headers={"Retry-After": RETRY_AFTER_S})
+    body = builder.full(kind, req, resp_id, prompt_ids, final)
+    return JSONResponse(body, headers=headers)
+
+
+class _Timer:
+    """Per-request latency metrics: TTFT, inter-token latency, end-to-end."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics, self.arrival, self.last, self.num_tokens = metrics, arrival, None, 0
+
+    def update(self, out: RequestOutput | None) -> None:
+        now = time.monotonic()
+        n = len(out.outputs[0].token_ids) if out is not None else self.num_tokens
+        if n > self.num_tokens:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                per_token = (now - self.last) / (n - self.num_tokens)
+                for _ in range(n - self.num_tokens):
+                    self.metrics.itl.observe(per_token)
+            self.last, self.num_tokens = now, n
+        if out is None or out.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.request_finished(out.outputs[0].finish_reason if out is not None else "abort")
+
+
+async def _await_final(request: Request, state: _State, stream: RequestStream,
+                       timer: _Timer) -> RequestOutput | None:
+    """The finished output (``None`` if the server aborted it); aborts when the client disconnects."""
+    last: RequestOutput | None = None
+    while True:
+        try:
+            out = await asyncio.wait_for(stream.next(), state.options.disconnect_poll_s)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.metrics.aborted_disconnect.inc()
+                raise ApiError(499, "client disconnected") from None
+            continue
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+        timer.update(out)
+        if out is None:
+            return last
+        last = out
+        if out.finished:
+            return out
+
+
+async def _stream_events(state: _State, builder: ResponseBuilder, kind: str, req: Any, resp_id: str,
+                         prompt_ids: list[int], stream: RequestStream, timer: _Timer) -> AsyncIterator[str]:
+    """SSE frames for one request; the ``finally`` aborts it when the client disconnects (task cancelled)."""
+    chunker = builder.chunker(kind, req, resp_id, prompt_ids)
+    try:
+        for chunk in chunker.start():
+            yield _sse(chunk)
+        while True:
+            try:
+                out = await stream.next()
+            except EngineDeadError as e:
+                yield _sse(error_body(str(e), "service_unavailable_error"))
+                break
+            timer.update(out)
+            if out is not None and out.outputs[0].finish_reason == "error":
+                yield _sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
+                                      "service_unavailable_error", code="engine_error"))
+                break
+            for chunk in chunker.update(out):
+                yield _sse(chunk)
+            if out is None or out.finished:
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not stream.finished:
+            state.metrics.aborted_disconnect.inc()
+        state.async_engine.release(stream)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        msg = {404: "unknown route", 405: "method not allowed"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(msg, type_), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(f"invalid request: {e.errors()[:1]}", "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+
+# ---- process entry point ----
+
+class _GracefulServer:
+    """uvicorn.Server whose first SIGTERM/SIGINT drains (see ``drain``) before exiting 0; a second one exits now."""
+
+    def __init__(self, app: FastAPI, config: Any, grace_period_s: float):
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # runs in the main thread between bytecodes
+                if outer.draining:
+                    self.should_exit = self.force_exit = True
+                    return
+                outer.draining = True
+                logger.info("signal %d: draining for up to %.0fs", sig, grace_period_s)
+                outer.loop.call_soon_threadsafe(outer.start_drain)
+
+        self.app, self.grace_period_s, self.draining = app, grace_period_s, False
+        self.server = Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start_drain(self) -> None:
+        task = asyncio.ensure_future(drain(self.app, self.grace_period_s))
+        task.add_done_callback(lambda _: setattr(self.server, "should_exit", True))
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+
+def run_server(engine: Any, *, host: str, port: int, options: ServerOptions, kv_publisher: KVEventPublisher | None,
+               shutdown_grace_period: float, log_level: str = "info") -> int:
+    """Serve ``engine`` until SIGTERM/SIGINT, then drain and return 0. Owns and shuts down the engine and publisher."""
+    import uvicorn
+
+    app = build_app(engine, options, kv_publisher=kv_publisher)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = _GracefulServer(app, config, shutdown_grace_period)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        if kv_publisher is not None:
+            kv_publisher.close()
+        engine.shutdown()
+    return 0 if server.server.started or server.draining else 1
