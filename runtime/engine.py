@@ -1,0 +1,264 @@
+"""LLMEngine: one step = schedule -> (connector loads) -> run the model + sample -> (connector saves) -> postprocess.
+
+Single-threaded by contract: the server wraps it in one thread (pdserve.runtime.async_engine). Every call below is
+cheap except ``step()``. ``n > 1`` fans a request out into n child requests that share the prompt's cached blocks and
+are merged back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pdserve.kv_connectors.base import KVCacheSpec, create_connector
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.detokenizer import IncrementalDetokenizer
+from pdserve.runtime.kv_events import KVEvent
+from pdserve.runtime.model_runner import ModelRunner, determine_num_blocks, kv_block_bytes
+from pdserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float          # 0..1, blocks held by requests
+    prefix_cache_queries: int      # tokens, cumulative
+    prefix_cache_hits: int         # tokens, cumulative
+    num_preemptions: int
+    prompt_tokens: int             # prompt tokens computed (cumulative; prefix hits excluded)
+    generation_tokens: int
+    kv_load_failures: int
+    recomputed_tokens: int
+    num_blocks: int = 0
+
+
+class _Parent:
+    """An n > 1 request: the client-facing id, its children and their latest completions."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.completions: list[CompletionOutput | None] = [None] * n
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from pdserve.runtime.model_loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        loaded = load_model(config.model, self.device, config.attention_backend)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.served_model_name = loaded.served_model_name
+        self.max_model_len = loaded.max_model_len
+        self.dtype = loaded.dtype
+        block_size = config.cache.block_size
+        m = self.model
+        self.kv_cache_spec = KVCacheSpec(model=self.served_model_name, dtype=str(self.dtype).removeprefix("torch."),
+                                         num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                         block_size=block_size)
+        num_blocks = determine_num_blocks(config, kv_block_bytes(m.num_layers, block_size, m.num_kv_heads,
+                                                                 m.head_dim, self.dtype), self.max_model_len,
+                                          self.device)
+        self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device)
+        self.connector = None
+        kvt = config.kv_transfer
+        if kvt.connector:
+            self.connector = create_connector(kvt.connector, kvt.role, dict(kvt.config), self.kv_cache_spec)
+            self.connector.register_kv_caches(self.runner.kv_cache)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
+                                   kvt.load_failure_policy)
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        if self.eos_token_id is None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        self._requests: dict[str, Request] = {}          # unfinished engine requests (children included)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._parents: dict[str, _Parent] = {}          # client id -> fan-out state (n > 1 only)
+        self._child_of: dict[str, tuple[str, int]] = {}
+        log.info("engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.1f MiB)", self.served_model_name,
+                 self.device, self.dtype, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**20)
+
+    # ---- requests --------------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError for a duplicate id, an empty or too long prompt, or bad token ids."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if request_id in self._requests or request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            prompt_text, token_ids = None, list(prompt)
+            vocab = self.hf_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"context length ({self.max_model_len} tokens)")
+        if max_tokens < 1:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate within the context "
+                             f"length ({self.max_model_len} tokens)")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds max_num_batched_tokens "
+                             f"({sched.max_num_batched_tokens}) and chunked prefill is disabled")
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            self._parents[request_id] = _Parent(request_id, params.n)
+            children = []
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                cid = f"{request_id}#{i}"
+                self._child_of[cid] = (request_id, i)
+                children.append((cid, replace(params, n=1, seed=seed)))
+        for rid, p in children:
+            req = Request(rid, token_ids, p, block_size=self.config.cache.block_size, eos_token_id=self.eos_token_id,
+                          prompt=prompt_text, priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
+                          kv_transfer_params=kv_transfer_params, max_tokens=max_tokens)
+            self._requests[rid] = req
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
+                                                      p.include_stop_str_in_output)
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests now (their blocks are freed at once); unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        engine_ids = []
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is not None:
+                engine_ids += [f"{rid}#{i}" for i in range(len(parent.completions))]
+            else:
+                engine_ids.append(rid)
+        for req in self.scheduler.abort_requests(engine_ids):
+            self._forget(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests run or wait, or a KV transfer still holds blocks (keep stepping to release them)."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+
+    # ---- step ------------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, sample, postprocess. Returns outputs of requests that progressed or finished this step."""
+        sched_out = self.scheduler.schedule()
+        meta = sched_out.connector_meta
+        if self.connector is not None and meta is not None:
+            self.connector.start_load_kv(meta)
+        sampled = self.runner.execute(sched_out, self._requests)
+        if self.connector is not None and meta is not None:
+            self.connector.save_kv(meta)
+        progressed = self.scheduler.update_from_output(sched_out, sampled)
+        if not sched_out.scheduled and not progressed and self.scheduler.has_pending_kv_transfers():
+            time.sleep(0.001)  # only transfers in flight: do not spin a core while polling the connector
+        now = time.time()
+        outputs = []
+        for req in progressed:
+            if req.request_id not in self._requests:
+                continue
+            if req.first_token_time is None and req.num_output_tokens:
+                req.first_token_time = now
+            out = self._postprocess(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _postprocess(self, req: Request) -> RequestOutput | None:
+        detok = self._detok[req.request_id]
+        if req.status != RequestStatus.FINISHED_ERROR:
+            new = req.output_token_ids[len(detok.token_ids):]
+            # A stop token id (not EOS) stays in token_ids but its text is dropped unless asked for.
+            if isinstance(req.stop_reason, int) and not req.sampling_params.include_stop_str_in_output and new:
+                new = new[:-1]
+            stop = detok.update(new) if new else None
+            if req.is_finished and stop is None:
+                stop = detok.flush()
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
+            elif stop is not None:
+                req.stop_reason = stop
+        completion = CompletionOutput(
+            index=0, text=detok.output_text(req.is_finished), token_ids=list(req.output_token_ids),
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None)
+        if req.is_finished:
+            self._forget(req.request_id)
+        return self._make_output(req, completion)
+
+    def _make_output(self, req: Request, completion: CompletionOutput) -> RequestOutput | None:
+        metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                                 first_token_time=req.first_token_time,
+                                 finished_time=time.time() if req.is_finished else None,
+                                 num_preemptions=req.num_preemptions, num_recomputed_tokens=req.num_recomputed_tokens)
+        request_id, finished, outs = req.request_id, req.is_finished, [completion]
+        if req.request_id in self._child_of:
+            request_id, index = self._child_of[req.request_id]
+            parent = self._parents.get(request_id)
+            if parent is None:
+                return None
+            completion.index = index
+            parent.completions[index] = completion
+            finished = all(c is not None and c.finished for c in parent.completions)
+            outs = [c for c in parent.completions if c is not None]
+            if finished:
+                del self._parents[request_id]
+                for i in range(len(parent.completions)):
+                    self._child_of.pop(f"{request_id}#{i}", None)
+        return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=outs, finished=finished, num_cached_tokens=max(0, req.num_cached_tokens),
+                             kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
+                             metrics=metrics, error=req.error)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+    # ---- introspection -----------------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage(),
+                           prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+                           num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
+                           generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
+                           recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call, oldest first."""
+        return self.scheduler.kv.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template. ValueError if the model has none."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.served_model_name!r} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+            self.connector = None
