@@ -1,0 +1,105 @@
+"""Redis connector against a real redis-server on a free loopback port."""
+
+import time
+
+import pytest
+import redis
+import torch
+
+from pdserve.kv_connectors.base import create_connector
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+from tests.support.redis import redis_server
+
+PROMPT = list(range(50, 50 + 6 * BLOCK + 1))   # 6 full blocks + 1 token
+IDS = [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with redis_server(password="kv-secret", username="pdserve") as r:
+        yield r
+
+
+def _pair(url, **extra):
+    cfg = {"url": url, "socket_timeout_s": 1.0, "connect_timeout_s": 0.5, **extra}
+    p, d = create_connector("redis", "prefill", cfg, SPEC), create_connector("redis", "decode", cfg, SPEC)
+    p.register_kv_caches(make_cache(fill=True))
+    d.register_kv_caches(make_cache())
+    return p, d
+
+
+def test_handoff_round_trip_with_auth_and_ttl(server):
+    p, d = _pair(server.url, ttl_s=120)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+    client = redis.Redis.from_url(server.url)
+    keys = [p.store.key(bytes.fromhex(h)) for h in params["block_hashes"]]
+    assert all(0 < client.ttl(k) <= 120 for k in keys)
+    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16])
+    assert res.num_tokens == 6 * BLOCK and not res.bad_blocks
+    assert all(torch.equal(p.kv_cache[s], d.kv_cache[t]) for s, t in zip(IDS[:6], range(10, 16)))
+    assert d.metrics()["kv_blocks_loaded"] == 6
+
+
+def test_wrong_password_is_a_clean_miss_and_error(server):
+    bad_url = server.url.replace("kv-secret", "wrong")
+    p, d = _pair(server.url)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+    _, d_bad = _pair(bad_url)
+    res = load(d_bad, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16])
+    assert res.bad_blocks == set(range(10, 16))
+    assert load(d_bad, Req("x", PROMPT), [10, 11, 12, 13, 14, 15, 16]).num_tokens == 0   # lookups: a miss
+
+
+def test_shared_prefix_and_pipelined_commands(server):
+    p, d = _pair(server.url, async_load=False)
+    client = redis.Redis.from_url(server.url)
+    before = client.info("stats")["total_commands_processed"]
+    prefill(p, Req("a", PROMPT), IDS)
+    p.flush()
+    res = load(d, Req("b", PROMPT[: 4 * BLOCK] + [1] * 9), [20, 21, 22, 23, 24])
+    assert (res.num_tokens, res.bad_blocks) == (4 * BLOCK, set())
+    assert torch.equal(d.kv_cache[23], p.kv_cache[4])
+    # 6 SETs + 5 EXISTS + 4 GETEX (+ INFO and a few handshakes): pipelining sends them in a handful of round trips
+    assert client.info("stats")["total_commands_processed"] - before < 30
+
+
+def test_expired_blocks_are_load_errors(server):
+    p, d = _pair(server.url, ttl_s=1)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+    time.sleep(2.2)
+    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16])
+    assert res.bad_blocks == set(range(10, 16)) and d.metrics()["kv_load_failures{kind=missing}"] == 1
+
+
+def test_corrupt_value_is_detected(server):
+    p, d = _pair(server.url)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+    client = redis.Redis.from_url(server.url)
+    key = p.store.key(bytes.fromhex(params["block_hashes"][1]))
+    client.setrange(key, 500, b"\xff\xfe")
+    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16])
+    assert res.bad_blocks == {11} and d.metrics()["kv_load_failures{kind=corrupt}"] == 1
+
+
+def test_redis_killed_mid_run_loads_fail_fast_and_saves_are_skipped():
+    with redis_server() as r:
+        p, d = _pair(r.url, retry_after_s=60)
+        params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+        r.kill()
+        res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16], timeout=20)
+        assert res.bad_blocks == set(range(10, 16))
+        assert d.metrics()["kv_load_failures{kind=peer_unreachable}"] == 1
+        assert load(d, Req("x", PROMPT), IDS, timeout=20).num_tokens == 0        # lookup: a clean miss
+        prefill(p, Req("s1", [9] * len(PROMPT)), IDS)                            # first save fails ...
+        p.flush()
+        prefill(p, Req("s2", [5] * len(PROMPT)), IDS)                            # ... later ones are skipped
+        p.flush()
+        m = p.metrics()
+        assert m["kv_saves_skipped"] >= 12 and m["kv_store_errors"] >= 1
+        r.start()                                                                # back: decode works again
+        d2 = create_connector("redis", "decode", {"url": r.url}, SPEC)
+        d2.register_kv_caches(make_cache())
+        p2 = create_connector("redis", "prefill", {"url": r.url}, SPEC)
+        p2.register_kv_caches(p.kv_cache)
+        params = prefill(p2, Req("r2", PROMPT, {"do_remote_decode": True}), IDS)
+        assert not load(d2, Req("r2", PROMPT, params), [10, 11, 12, 13, 14, 15, 16]).bad_blocks
