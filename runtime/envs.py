@@ -23,3 +23,8 @@ def log_level() -> str:
 def api_key() -> str | None:
     """API key required on the runtime's inference endpoints (PDSERVE_API_KEY; ``pdserve serve --api-key`` wins)."""
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def kv_transfer_token() -> str | None:
+    """Shared secret that authenticates KV-transfer side channels between pods (PDSERVE_KV_TOKEN)."""
+    return os.environ.get("PDSERVE_KV_TOKEN") or None
