@@ -1,0 +1,92 @@
+"""``pdserve router``: flags -> RouterConfig -> uvicorn serving RouterApp (uvloop + httptools when installed)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pdserve.router.config import POLICIES, KVEventSource, RouterConfig
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("router", help="run the prefix- and load-aware OpenAI proxy (prefill -> decode)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    src = p.add_argument_group("endpoints (one source)")
+    src.add_argument("--worker", action="append", default=[], metavar="URL", help="a pod serving both roles")
+    src.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill pod")
+    src.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode pod")
+    src.add_argument("--discover", metavar="SELECTOR", help="Kubernetes label selector of the pods to route to")
+    src.add_argument("--namespace", help="namespace for --discover (default: the router pod's own, else default)")
+    src.add_argument("--role-label", default="pdserve.dev/role", help="pod label holding prefill|decode|both")
+    src.add_argument("--pod-port", type=int, default=8000, help="discovered pods' HTTP port (a port named http wins)")
+    p.add_argument("--policy", choices=POLICIES, default="precise-prefix")
+    p.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
+                   help="disaggregate only when the decode pod lacks more prompt tokens than this")
+    p.add_argument("--prefill-failure", choices=("retry-then-decode", "fail"), default="retry-then-decode")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer dir (default: the default model's)")
+    p.add_argument("--block-size", type=int, default=16, help="the pods' KV block size")
+    p.add_argument("--kv-events-port", type=int, help="pods' KV event PUB port (on each pod's host)")
+    p.add_argument("--kv-events-replay-port", type=int, help="pods' KV event replay port")
+    p.add_argument("--kv-events-source", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                   help="explicit KV event endpoints of one pod, e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
+    p.add_argument("--max-concurrency", type=int, default=1024)
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--cb-failure-threshold", type=int, default=5)
+    p.add_argument("--cb-open-seconds", type=float, default=30.0)
+    p.add_argument("--balance-abs-threshold", type=float, default=16.0)
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> RouterConfig:
+    if not (a.worker or a.decode or a.discover):
+        raise SystemExit("pdserve router: give --worker URL..., --prefill/--decode URL..., or --discover SELECTOR")
+    if a.prefill and not a.decode and not a.worker and not a.discover:
+        raise SystemExit("pdserve router: --prefill needs at least one --decode")
+    sources = {}
+    for item in a.kv_events_source:
+        url, _, eps = item.partition("=")
+        pub, _, replay = eps.partition(",")
+        if not url or not pub:
+            raise SystemExit(f"pdserve router: bad --kv-events-source {item!r}")
+        sources[url.rstrip("/")] = KVEventSource(pub, replay or None)
+    return RouterConfig(
+        host=a.host, port=a.port, workers=tuple(a.worker), prefill=tuple(a.prefill), decode=tuple(a.decode),
+        discover=a.discover, namespace=a.namespace, role_label=a.role_label, pod_port=a.pod_port, policy=a.policy,
+        pd_threshold=a.pd_threshold, prefill_failure=a.prefill_failure, api_key=a.api_key, tokenizer=a.tokenizer,
+        block_size=a.block_size, kv_events_port=a.kv_events_port, kv_events_replay_port=a.kv_events_replay_port,
+        kv_event_sources=sources, max_concurrency=a.max_concurrency, max_body_bytes=a.max_body_bytes,
+        request_timeout=a.request_timeout, connect_timeout=a.connect_timeout, health_interval=a.health_interval,
+        max_retries=a.max_retries, cb_failure_threshold=a.cb_failure_threshold, cb_open_seconds=a.cb_open_seconds,
+        balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold)
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):
+    import importlib.util
+
+    import uvicorn
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=http, lifespan="on", access_log=False,
+                          log_level=log_level, timeout_keep_alive=75, **kw)
+
+
+def run(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.router.app import RouterApp
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(a)
+    uvicorn.Server(uvicorn_config(RouterApp(cfg), cfg.host, cfg.port, a.log_level)).run()
+    return 0

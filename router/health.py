@@ -1,0 +1,81 @@
+"""Active health checks and load scraping: every ``health_interval`` each pod's ``/health`` (healthy iff 200 in time)
+and ``/metrics`` (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, summed
+over label sets). Passive health is the per-pod circuit breaker, fed by the proxy. The same loop expires speculative
+prefix-index entries and refreshes the endpoint gauges."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.endpoints import Endpoint, EndpointPool
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """Sum each scraped metric over its label sets (a pod may report per model). Unknown lines are ignored."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        attr = SCRAPED.get(name)
+        if attr is None:
+            continue
+        rest = line[line.index("}") + 1:] if "{" in line else line[len(name):]
+        try:
+            out[attr] = out.get(attr, 0.0) + float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+class HealthMonitor:
+    def __init__(self, cfg: RouterConfig, pool: EndpointPool, metrics: RouterMetrics, index: PrefixIndex):
+        self.cfg, self.pool, self.metrics, self.index = cfg, pool, metrics, index
+        self.session: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as self.session:
+            while True:
+                await self.check_all()
+                await asyncio.sleep(self.cfg.health_interval)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(ep) for ep in self.pool))
+        self.index.purge_expired()
+        self.metrics.index_blocks.set(len(self.index))
+        counts: dict[tuple[str, str], int] = {}
+        for ep in self.pool:
+            state = "healthy" if ep.healthy else "unhealthy"
+            state = state if ep.breaker.state == "closed" else f"breaker_{ep.breaker.state}"
+            counts[(ep.role, state)] = counts.get((ep.role, state), 0) + 1
+        self.metrics.endpoints.clear()
+        for (role, state), n in counts.items():
+            self.metrics.endpoints.labels(role, state).set(n)
+
+    async def check(self, ep: Endpoint) -> None:
+        try:
+            async with self.session.get(ep.url + "/health") as r:
+                healthy = r.status == 200
+            if healthy:
+                async with self.session.get(ep.url + "/metrics") as r:
+                    if r.status == 200:
+                        for attr, value in parse_load(await r.text()).items():
+                            setattr(ep, attr, value)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError) as e:
+            healthy = False
+            log.debug("health check of %s failed: %s", ep.url, e)
+        if healthy != ep.healthy:
+            log.info("endpoint %s is now %s", ep.url, "healthy" if healthy else "unhealthy")
+        ep.healthy = healthy

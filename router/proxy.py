@@ -1,0 +1,189 @@
+"""Request orchestration: route one OpenAI request, run the P/D handoff when it pays, relay the answer.
+
+Life of a generation request (``Router.generate``):
+1. Context: prompt tokens and block hashes (only when the policy or P/D needs them).
+2. Pick the decode pod first (decode|both pods, the policy's profile).
+3. P/D: if prefill pods exist and the decode pod lacks more than ``pd_threshold`` prompt tokens, and a prefill pod
+   is routable and not overloaded, run the prefill step (``pd.run_prefill``: up to ``prefill_attempts`` pods); on
+   failure fall back to decode-only, or fail (``prefill_failure``).
+4. Send to decode, retrying on other decode pods before the first byte (``Upstream.dispatch``), record speculative
+   index entries, relay the body chunk by chunk (SSE) or whole (Content-Length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Callable
+
+import aiohttp
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.endpoints import Endpoint, EndpointPool
+from pdserve.router.framework import Profile, RequestContext
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pd import decode_body, run_prefill
+from pdserve.router.policies import build_profile, needs_tokens
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.prompt import PromptTokenizer, block_hashes, estimate_tokens
+from pdserve.router.responses import Send, send_bytes, send_error
+from pdserve.router.upstream import Attempt, Upstream, UpstreamFailure
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, pool: EndpointPool, index: PrefixIndex, metrics: RouterMetrics,
+                 upstream: Upstream, tokenizer: PromptTokenizer | None = None):
+        self.cfg, self.pool, self.index, self.metrics, self.upstream = cfg, pool, index, metrics, upstream
+        self.tokenizer = tokenizer
+        self.precise = needs_tokens(cfg.policy)
+        self.decode_profile = build_profile(cfg, index)
+        self.prefill_profile = build_profile(cfg, index)
+
+    def context(self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str) -> RequestContext:
+        ctx = RequestContext(path, body, headers, request_id)
+        if self.precise or self.pool.prefillers:
+            ids = None
+            if self.tokenizer is not None:
+                try:
+                    ids = self.tokenizer.token_ids(path, body)
+                except Exception as e:  # noqa: BLE001 (a template error must not fail routing; the pod will judge)
+                    log.debug("tokenizing for routing failed: %s", e)
+            if ids is None:
+                ctx.num_prompt_tokens = estimate_tokens(body)
+            else:
+                ctx.num_prompt_tokens = len(ids)
+                if self.precise:
+                    ctx.block_hashes = block_hashes(ids, self.cfg.block_size, body.get("cache_salt"))
+        return ctx
+
+    def picker(self, profile: Profile, ctx: RequestContext, pods: Callable[[], list[Endpoint]], role: str,
+               accept: Callable[[Endpoint], bool] | None = None,
+               first: Endpoint | None = None) -> Callable[[set[str]], Endpoint | None]:
+        """A ``pick(exclude)`` for ``Upstream.dispatch``: ``first`` (already chosen) on the first call, then the
+        profile's choice among the pods not yet tried."""
+        chosen = [first]
+
+        def pick(exclude: set[str]) -> Endpoint | None:
+            if chosen[0] is not None and chosen[0].url not in exclude:
+                ep, chosen[0] = chosen[0], None
+                return ep
+            cands = [p for p in pods() if p.url not in exclude and (accept is None or accept(p))]
+            d = profile.schedule(ctx, cands)
+            if d is None:
+                return None
+            self.metrics.decisions.labels(role, d.endpoint.url).inc()
+            return d.endpoint
+
+        return pick
+
+    async def generate(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str], request_id: str,
+                       send: Send) -> str:
+        """Handle one completion/chat request; returns the outcome label for metrics."""
+        cfg, m = self.cfg, self.metrics
+        ctx = self.context(path, body, headers, request_id)
+        decision = self.decode_profile.schedule(ctx, self.pool.decoders)
+        if decision is None:
+            await send_error(send, 503, "no healthy decode endpoint", code="no_endpoint", retry_after=5,
+                             request_id=request_id)
+            return "no_endpoint"
+        decode_ep = decision.endpoint
+        m.decisions.labels("decode", decode_ep.url).inc()
+        m.scores.labels("decode").observe(decision.score)
+        fwd = {"content-type": "application/json", "x-request-id": request_id}
+        payload = raw
+
+        if self.pool.prefillers:
+            uncached = ctx.num_prompt_tokens - int(ctx.matched_blocks.get(decode_ep.url, 0)) * cfg.block_size
+            can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url)
+            if uncached <= cfg.pd_threshold:
+                m.pd_decisions.labels("local_short").inc()
+            elif not any(p.routable and can_prefill(p) for p in self.pool.prefillers):
+                m.pd_decisions.labels("local_no_prefill").inc()
+            else:
+                m.pd_decisions.labels("disaggregated").inc()
+                pick = self.picker(self.prefill_profile, ctx, lambda: self.pool.prefillers, "prefill", can_prefill)
+                res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts)
+                if res.client_error is not None:
+                    status, data = res.client_error
+                    await send_bytes(send, status, data, extra=[(b"x-request-id", request_id.encode())])
+                    return "bad_request"
+                if res.kv_transfer_params is not None:
+                    payload = json.dumps(decode_body(body, res.kv_transfer_params)).encode()
+                    self.index.add_speculative(res.endpoint.url, ctx.block_hashes)
+                elif cfg.prefill_failure == "fail":
+                    m.pd_fallbacks.labels("fail").inc()
+                    await send_error(send, 502, f"prefill failed: {res.error}", code="prefill_failed",
+                                     request_id=request_id)
+                    return "upstream_error"
+                else:
+                    m.pd_fallbacks.labels("decode_only").inc()
+                    log.warning("request %s: prefill failed (%s); decoding locally", request_id, res.error)
+
+        pick = self.picker(self.decode_profile, ctx, lambda: self.pool.decoders, "decode", first=decode_ep)
+        try:
+            att = await self.upstream.dispatch("decode", pick, "POST", path, payload, fwd)
+        except UpstreamFailure as e:
+            status = 502 if e.tried else 503
+            await send_error(send, status, f"no endpoint could serve the request: {e}", code="upstream_error",
+                             retry_after=5 if status == 503 else None, request_id=request_id)
+            return "upstream_error" if e.tried else "no_endpoint"
+        if ctx.block_hashes:
+            self.index.add_speculative(att.endpoint.url, ctx.block_hashes)
+        m.prompt_tokens.inc(ctx.num_prompt_tokens)
+        m.prefix_hit_tokens.inc(min(ctx.num_prompt_tokens,
+                                    int(ctx.matched_blocks.get(att.endpoint.url, 0)) * cfg.block_size))
+        return await relay(att, send, request_id)
+
+    async def forward_get(self, path: str, request_id: str, send: Send) -> str:
+        """GET passthrough (``/v1/models``) to any routable pod, with retries."""
+        pods = lambda: [p for p in self.pool if p.routable]  # noqa: E731
+
+        def pick(exclude: set[str]) -> Endpoint | None:
+            cands = [p for p in pods() if p.url not in exclude]
+            return min(cands, key=lambda p: p.in_flight) if cands else None
+
+        try:
+            att = await self.upstream.dispatch("any", pick, "GET", path, None, {"x-request-id": request_id})
+        except UpstreamFailure as e:
+            await send_error(send, 503, f"no endpoint available: {e}", code="no_endpoint", retry_after=5)
+            return "no_endpoint"
+        return await relay(att, send, request_id)
+
+
+async def relay(att: Attempt, send: Send, request_id: str) -> str:
+    """Stream the upstream answer to the client: whole when it has a Content-Length, else chunk by chunk as the
+    chunks arrive (SSE), never buffering a stream. A pod failing mid-stream ends the stream with an SSE error event."""
+    resp = att.resp
+    ok = False
+    ctype = resp.headers.get("Content-Type", "application/json").encode()
+    headers = [(b"content-type", ctype), (b"x-request-id", request_id.encode())]
+    started = False
+    try:
+        if resp.headers.get("Content-Length") is not None:
+            data = await resp.read()
+            headers.append((b"content-length", str(len(data)).encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            started = True
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+        else:
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            started = True
+            async for chunk in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        ok = True
+        return "ok" if resp.status < 400 else f"upstream_{resp.status // 100}xx"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        log.warning("request %s: upstream %s failed mid-response: %s", request_id, att.endpoint.url, e)
+        if not started:
+            await send_error(send, 502, f"upstream failed: {e}", code="upstream_error", request_id=request_id)
+        else:
+            err = json.dumps({"error": {"message": f"upstream failed mid-stream: {e}", "type": "upstream_error",
+                                        "param": None, "code": "upstream_error"}})
+            await send({"type": "http.response.body", "body": f"data: {err}\n\n".encode(), "more_body": False})
+        return "upstream_error"
+    finally:
+        att.finish(ok)

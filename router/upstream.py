@@ -1,0 +1,120 @@
+"""Pooled HTTP to the pods, and the retry loop that runs before the first byte reaches the client.
+
+``Upstream.request`` sends one request to one pod. ``Upstream.dispatch`` picks a pod (via the caller's ``pick``,
+which must skip the urls it is given), sends, and on a connect error, a timeout before the response headers, or a
+408/429/5xx answer tries another pod after a short backoff, at most ``max_retries`` extra times. It returns an
+``Attempt`` holding the response whose headers arrived; the caller relays the body and must call ``finish()``. Every
+attempt updates the pod's in-flight count, circuit breaker and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Callable
+
+import aiohttp
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.endpoints import Endpoint
+from pdserve.router.metrics import RouterMetrics
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class Attempt:
+    """A response whose headers arrived from ``endpoint``; ``finish()`` releases the pod's in-flight slot."""
+
+    __slots__ = ("endpoint", "resp", "role", "started", "_metrics", "_done")
+
+    def __init__(self, endpoint: Endpoint, resp: aiohttp.ClientResponse, role: str, started: float,
+                 metrics: RouterMetrics):
+        self.endpoint, self.resp, self.role, self.started, self._metrics = endpoint, resp, role, started, metrics
+        self._done = False
+
+    def finish(self, ok: bool = True) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.endpoint.in_flight -= 1
+        if self.resp.content.is_eof():
+            self.resp.release()
+        else:  # body not fully read (client gone, or cancelled): close, so the pod sees the disconnect and aborts
+            self.resp.close()
+        if not ok:  # the body broke off mid-stream: the pod failed us after all
+            self.endpoint.breaker.record_failure()
+        self._metrics.upstream_latency.labels(self.role).observe(time.perf_counter() - self.started)
+
+
+class UpstreamFailure(Exception):
+    """No pod produced a response (none left to try, or all attempts errored before the headers)."""
+
+    def __init__(self, message: str, tried: set[str]):
+        super().__init__(message)
+        self.tried = tried  # urls of the pods that were tried
+
+
+class Upstream:
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=60, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout, sock_connect=self.cfg.connect_timeout)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def dispatch(self, role: str, pick: Callable[[set[str]], Endpoint | None], method: str, path: str,
+                       body: bytes | None, headers: dict[str, str], retries: int | None = None) -> Attempt:
+        retries = self.cfg.max_retries if retries is None else retries
+        tried: set[str] = set()
+        last: str = "no healthy endpoint"
+        held: Attempt | None = None  # a retryable answer, returned as is if no other pod is left to try
+        for attempt in range(retries + 1):
+            ep = pick(tried)
+            if ep is None:
+                break
+            if held is not None:
+                held.finish()
+                held = None
+            if attempt:
+                self.metrics.retries.labels(role).inc()
+                await asyncio.sleep(self.cfg.retry_backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            tried.add(ep.url)
+            ep.in_flight += 1
+            ep.breaker.on_dispatch()
+            started = time.perf_counter()
+            try:
+                resp = await self.session.request(method, ep.url + path, data=body, headers=headers)
+            except asyncio.CancelledError:
+                ep.in_flight -= 1
+                ep.breaker.probing = False
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                ep.in_flight -= 1
+                ep.breaker.record_failure()
+                kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connect"
+                self.metrics.upstream_errors.labels(role, kind).inc()
+                last = f"{ep.url}: {kind} error: {e or type(e).__name__}"
+                continue
+            self.metrics.ttfb.labels(role).observe(time.perf_counter() - started)
+            if resp.status >= 500:
+                ep.breaker.record_failure()
+            else:
+                ep.breaker.record_success()
+            result = Attempt(ep, resp, role, started, self.metrics)
+            if resp.status in RETRYABLE_STATUS and attempt < retries:
+                self.metrics.upstream_errors.labels(role, str(resp.status)).inc()
+                held = result
+                continue
+            return result
+        if held is not None:
+            return held
+        raise UpstreamFailure(last, tried)

@@ -1,0 +1,213 @@
+"""A fast fake OpenAI pod: a real HTTP server (uvicorn) on loopback speaking the OpenAI + kv_transfer_params protocol.
+
+Used where a real pdserve pod would be too slow or cannot be made to misbehave on cue (router reliability tests and
+the router benchmark's "fast fake backend"). It answers completions/chat (JSON or SSE), acts as a prefill pod when
+asked for ``do_remote_decode`` (returns ``kv_transfer_params``), records every request, and can be told to fail
+(``status``), to omit kv params, to stream slowly, or to report load in ``/metrics``. It notices client disconnects
+(``disconnects``), which is how tests see that the router cancelled an upstream request.
+
+Run standalone for benchmarks: ``python tests/router/fake_pod.py --port 9000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+HEALTHY = b'{"status":"ok"}'
+
+
+@dataclass
+class FakeState:
+    name: str = "pod"
+    status: int = 200                # answer generation requests with this status (non-200: an error body)
+    healthy: bool = True
+    kv_params: bool = True           # as prefill, return kv_transfer_params
+    stream_chunks: int = 3
+    chunk_delay: float = 0.0         # seconds between SSE chunks
+    delay: float = 0.0               # seconds before answering (headers)
+    waiting: float = 0.0             # reported vllm:num_requests_waiting
+    running: float = 0.0
+    kv_usage: float = 0.0
+    record: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)  # {"path", "body", "headers"}
+    disconnects: int = 0
+    count: int = 0
+
+
+def completion_json(name: str, path: str, text: str, kv_params: dict | None = None) -> dict:
+    if path.endswith("/chat/completions"):
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        obj = "text_completion"
+    out = {"id": f"cmpl-{name}", "object": obj, "created": 0, "model": "fake", "choices": [choice],
+           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    if kv_params is not None:
+        out["kv_transfer_params"] = kv_params
+    return out
+
+
+class FakePod:
+    def __init__(self, state: FakeState | None = None):
+        self.state = state or FakeState()
+        self._fast = {}  # path -> precomputed JSON body (the benchmark's hot path)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                await send({"type": msg["type"] + ".complete"})
+                if msg["type"] == "lifespan.shutdown":
+                    return
+        st, path = self.state, scope["path"]
+        if path == "/health":
+            await _send(send, 200 if st.healthy else 503, HEALTHY)
+            return
+        if path == "/metrics":
+            text = (f"vllm:num_requests_waiting{{model_name=\"fake\"}} {st.waiting}\n"
+                    f"vllm:num_requests_running{{model_name=\"fake\"}} {st.running}\n"
+                    f"vllm:kv_cache_usage_perc{{model_name=\"fake\"}} {st.kv_usage}\n")
+            await _send(send, 200, text.encode(), b"text/plain")
+            return
+        if path == "/v1/models":
+            await _send(send, 200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        st.count += 1
+        if not st.record and st.status == 200 and not st.delay:
+            fast = self._fast.get(path)
+            if fast is None:
+                fast = self._fast[path] = json.dumps(completion_json(st.name, path, "ok")).encode()
+            if b'"stream": true' not in body and b'"stream":true' not in body:
+                await _send(send, 200, fast)
+                return
+        req = json.loads(body)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if st.record:
+            st.requests.append({"path": path, "body": req, "headers": headers})
+        if st.delay:
+            await asyncio.sleep(st.delay)
+        if st.status != 200:
+            err = {"error": {"message": f"{st.name} failing", "type": "server_error", "param": None, "code": None}}
+            await _send(send, st.status, json.dumps(err).encode())
+            return
+        kvp = req.get("kv_transfer_params") or {}
+        if kvp.get("do_remote_decode"):
+            params = ({"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+                       "remote_engine_id": f"engine-{st.name}", "remote_request_id": headers.get("x-request-id"),
+                       "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1} if st.kv_params else None)
+            await _send(send, 200, json.dumps(completion_json(st.name, path, "p", params)).encode())
+            return
+        if not req.get("stream"):
+            await _send(send, 200, json.dumps(completion_json(st.name, path, f"from {st.name}")).encode())
+            return
+        await self._stream(path, receive, send)
+
+    async def _stream(self, path, receive, send):
+        st = self.state
+        gone = asyncio.Event()
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        try:
+            for i in range(st.stream_chunks):
+                if i and st.chunk_delay:
+                    try:
+                        await asyncio.wait_for(gone.wait(), st.chunk_delay)
+                    except asyncio.TimeoutError:
+                        pass
+                if gone.is_set():
+                    st.disconnects += 1
+                    return
+                if path.endswith("/chat/completions"):
+                    delta = {"choices": [{"index": 0, "delta": {"content": f"{st.name}-{i} "}}]}
+                else:
+                    delta = {"choices": [{"index": 0, "text": f"{st.name}-{i} "}]}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(delta)}\n\n".encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        finally:
+            watcher.cancel()
+
+
+async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ServerThread:
+    """Run an ASGI app under uvicorn (uvloop + httptools) on 127.0.0.1 in a background thread."""
+
+    def __init__(self, app, port: int = 0, host: str = "127.0.0.1"):
+        from pdserve.router.cli import uvicorn_config
+
+        import socket
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.app, self.host, self.port = app, host, port
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, "error"))
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--name", default="fake")
+    a = ap.parse_args()
+    from pdserve.router.cli import uvicorn_config
+
+    app = FakePod(FakeState(name=a.name, record=False))
+    uvicorn.Server(uvicorn_config(app, a.host, a.port, "error")).run()
+
+
+if __name__ == "__main__":
+    main()
