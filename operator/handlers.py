@@ -1,0 +1,109 @@
+"""kopf handlers: thin adapters from events to ``sync`` (fetch observed -> reconcile -> apply -> status).
+
+- create / update (spec) / resume of an InferenceService, and a per-object timer: full sync (apply every child, prune
+  what is no longer wanted), so a deleted or edited child comes back within one resync interval.
+- events of owned Deployments/Services: a DELETED child triggers a full sync of its owner at once; any other change
+  only refreshes the owner's status (status follows the children's readyReplicas).
+- an invalid spec (one the CRD schema let through) sets Ready=False with the reason, posts a Warning Event once per
+  generation and raises ``kopf.PermanentError`` from create/update (no retry loop); running children are left alone.
+
+kopf keeps its handler progress in annotations (not in ``status``, which the CRD schema owns), never adds finalizers
+(no deletion handler: children go by owner-reference garbage collection), and runs standalone (no peering objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from pdserve.operator import names
+from pdserve.operator.kube import Kube
+from pdserve.operator.reconcile import reconcile
+
+ISVC = (names.GROUP, names.VERSION, names.PLURAL)
+
+
+async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter, *,
+               repair: bool, raise_invalid: bool = False) -> None:
+    """Reconcile one InferenceService; serialised per object so handlers never interleave their applies."""
+    meta = body["metadata"]
+    ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    if meta.get("deletionTimestamp"):
+        return
+    kube: Kube = memo.kube
+    async with memo.locks.setdefault((ns, name), asyncio.Lock()):
+        observed = await kube.observe(ns, name, uid)
+        result = reconcile(body, observed)
+        old_status = body.get("status") or {}
+        if result.error:
+            old_ready = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+            first_time = (old_status.get("observedGeneration") != meta.get("generation")
+                          or old_ready.get("message") != str(result.error))
+            if first_time:
+                await kube.patch_status(ns, name, result.status)
+                kopf.warn(body, reason=result.error.reason, message=str(result.error))
+                logger.warning("invalid spec: %s (%s)", result.error, result.error.reason)
+            if raise_invalid:
+                raise kopf.PermanentError(f"{result.error.reason}: {result.error}")
+            return
+        if repair:
+            for obj in result.objects:
+                await kube.apply(obj)
+            for kind, child in result.prune:
+                logger.info("deleting %s %s/%s: no longer in the spec", kind, ns, child)
+                await kube.delete(kind, ns, child)
+            result = reconcile(body, await kube.observe(ns, name, uid))
+        if any(old_status.get(k) != v for k, v in result.status.items()):
+            await kube.patch_status(ns, name, result.status)
+            logger.info("status: phase=%s %s", result.status["phase"],
+                        " ".join(f"{k}={result.status[k]['ready']}" for k in ("prefill", "decode", "router")
+                                 if k in result.status))
+
+
+def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:
+    """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent)."""
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=names.GROUP, key="last-handled-configuration")
+        settings.posting.level = logging.WARNING  # Events only for problems, not for every handler success
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+        memo.kube = await Kube.connect()
+        memo.locks = {}
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: Any, **_: Any) -> None:
+        await memo.kube.close()
+
+    @kopf.on.resume(*ISVC, registry=registry)
+    @kopf.on.create(*ISVC, registry=registry)
+    @kopf.on.update(*ISVC, field="spec", registry=registry)
+    async def changed(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        await sync(memo, dict(body), logger, repair=True, raise_invalid=True)
+
+    @kopf.timer(*ISVC, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    async def resync(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        await sync(memo, dict(body), logger, repair=True)
+
+    owned = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
+
+    @kopf.on.event("apps", "v1", "deployments", labels=owned, registry=registry)
+    @kopf.on.event("v1", "services", labels=owned, registry=registry)
+    async def child_changed(event: kopf.RawEvent, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        owner = next((r for r in body.get("metadata", {}).get("ownerReferences", [])
+                      if r.get("controller") and r.get("kind") == names.KIND), None)
+        if owner is None:
+            return
+        ns = body["metadata"]["namespace"]
+        parent = await memo.kube.get(names.KIND, ns, owner["name"])
+        if parent is None or parent["metadata"]["uid"] != owner["uid"]:
+            return
+        await sync(memo, parent, logger, repair=event["type"] == "DELETED")
+
+    return registry

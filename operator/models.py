@@ -1,0 +1,151 @@
+"""The InferenceService API: pydantic models of spec and status, the single source of truth of the CRD.
+
+`crdgen` turns these models into the OpenAPI v3 schema of crds/inferenceservice.yaml (CEL rules come from the
+``x-kubernetes-validations`` extras below); the builders read a validated ``InferenceServiceSpec``. Fields are camelCase
+in YAML (aliases) and snake_case in Python. Optional fields without a default are omitted from the schema's defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from pdserve.operator.names import DEFAULT_IMAGE
+
+
+def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# Kubernetes types we pass through to pod templates unchanged; the API server validates them when the operator
+# creates the Deployment (server-side), so the CRD only checks their shape loosely.
+KubeObject = dict[str, Any]
+_PRESERVE = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_DEFAULT_EMPTY = {"default": {}}  # lets the API server fill the nested defaults
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the InferenceService's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class ModelSpec(_Model):
+    name: str = Field(min_length=1, max_length=256, description="Served model name (the OpenAI `model` field); "
+                      "immutable.", json_schema_extra=_rules(("self == oldSelf", "model.name is immutable")))
+    uri: str = Field("default", max_length=1024, pattern=r"^(default|hf://[^/]+/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|/.+)$",
+                     description="hf://org/name, pvc://claim/path/in/claim, an absolute path in the image, or "
+                     "`default` (the image's built-in default model).")
+    auth_secret_ref: SecretKeyRef | None = Field(None, description="Hub token for hf:// models (exported as HF_TOKEN).")
+
+
+class Resources(_Model):
+    requests: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
+    limits: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
+
+
+class RuntimeOverrides(_Model):
+    """Runtime settings a pool may override; every field unset means "inherit from spec.runtime"."""
+
+    image: str | None = Field(None, min_length=1, max_length=1024)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    block_size: int | None = Field(None, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=1)
+    kv_cache_memory: int | str | None = Field(None, description="KV cache bytes, a number or a quantity like 2Gi.",
+                                              json_schema_extra=_QUANTITY)
+    extra_args: list[str] | None = Field(None, max_length=64, description="Appended to `pdserve serve`.")
+    env: list[KubeObject] | None = Field(None, max_length=128, json_schema_extra={"items": _PRESERVE})
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[KubeObject] | None = Field(None, max_length=64, json_schema_extra={"items": _PRESERVE})
+
+
+class RuntimeSpec(RuntimeOverrides):
+    image: str | None = Field(DEFAULT_IMAGE, min_length=1, max_length=1024)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = "auto"
+    block_size: int | None = Field(16, ge=1, le=1024)
+    kv_cache_memory: int | str | None = Field("1Gi", description="KV cache bytes, a number or a quantity like 2Gi.",
+                                              json_schema_extra=_QUANTITY)
+    api_key_secret_ref: SecretKeyRef | None = Field(None, description="API key runtime pods require (--api-key).")
+
+
+class PoolSpec(RuntimeOverrides):
+    replicas: int = Field(1, ge=0, le=10000)
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(1, ge=0, le=1000)
+    policy: Literal["precise-prefix", "round-robin", "least-loaded", "session-affinity"] = "precise-prefix"
+    pd_threshold: int = Field(256, ge=0, description="Prompts of at least this many tokens go prefill -> decode.")
+    api_key_secret_ref: SecretKeyRef | None = Field(None, description="API key clients must send (--api-key).")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(80, ge=1, le=65535)
+    image: str | None = Field(None, min_length=1, max_length=1024, description="Defaults to spec.runtime.image.")
+    resources: Resources | None = None
+
+
+class RedisSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("has(self.url) != has(self.urlSecretRef)", "redis needs exactly one of url and urlSecretRef")))
+    url: str | None = Field(None, max_length=2048, pattern=r"^rediss?://.+")
+    url_secret_ref: SecretKeyRef | None = None
+
+
+class DiskSpec(_Model):
+    claim_name: str = Field(min_length=1, max_length=253, description="A ReadWriteMany PVC shared by all pods.")
+    path: str = Field("", max_length=1024, pattern=r"^([A-Za-z0-9_][-A-Za-z0-9_.]*)(/[A-Za-z0-9_][-A-Za-z0-9_.]*)*$|^$",
+                      description="Directory inside the claim (relative, no `..`).")
+
+
+class KVTransferSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.connector != 'redis' || has(self.redis)", "connector redis requires redis.url or redis.urlSecretRef"),
+        ("self.connector != 'disk' || has(self.disk)", "connector disk requires disk.claimName")))
+    connector: Literal["nixl", "redis", "disk"] = "nixl"
+    redis: RedisSpec | None = None
+    disk: DiskSpec | None = None
+
+
+class InferenceServiceSpec(_Model):
+    model: ModelSpec
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, json_schema_extra=_DEFAULT_EMPTY)
+    prefill: PoolSpec | None = Field(None, description="Omit for one pool of `both` pods (no disaggregation).")
+    decode: PoolSpec = Field(default_factory=PoolSpec, json_schema_extra=_DEFAULT_EMPTY)
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec, json_schema_extra=_DEFAULT_EMPTY)
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class PoolStatus(_Model):
+    desired_replicas: int = 0
+    replicas: int = 0
+    ready_replicas: int = 0
+    ready: str = Field("0/0", description="ready/desired, for printer columns")
+    selector: str = ""
+
+
+class InferenceServiceStatus(_Model):
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Progressing", "Ready", "Failed"] | None = None
+    conditions: list[Condition] | None = None
+    prefill: PoolStatus | None = None
+    decode: PoolStatus | None = None
+    router: PoolStatus | None = None
+    endpoint: str | None = None

@@ -1,0 +1,62 @@
+"""The router of one InferenceService: its Deployment and the ServiceAccount/Role/RoleBinding that let it watch the
+runtime pods (and nothing else) in its namespace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.operator import names, pod
+from pdserve.operator.models import InferenceServiceSpec
+
+API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
+STARTUP_SECONDS = 120
+
+# Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
+ROUTER_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+]
+
+
+def router_args(name: str, namespace: str, spec: InferenceServiceSpec) -> list[str]:
+    r = spec.router
+    args = ["router", "--host", "0.0.0.0", "--port", str(names.ROUTER_PORT), "--discover", names.runtime_selector(name),
+            "--namespace", namespace, "--role-label", names.ROLE_LABEL, "--policy", r.policy,
+            "--pd-threshold", str(r.pd_threshold)]
+    if r.api_key_secret_ref:
+        args += ["--api-key", f"$({API_KEY_ENV})"]
+    return args
+
+
+def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.router
+    volumes, mounts = pod.writable_volumes()
+    pod_sc, container_sc = pod.security_context()
+    container = {
+        "name": "router", "image": r.image or spec.runtime.image, "args": router_args(name, namespace, spec),
+        "ports": [{"name": "http", "containerPort": names.ROUTER_PORT}], "volumeMounts": mounts,
+        "resources": pod.resources(r.resources), "securityContext": container_sc,
+        "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
+    }
+    if r.api_key_secret_ref:
+        container["env"] = [pod.secret_env(API_KEY_ENV, r.api_key_secret_ref)]
+    if spec.runtime.image_pull_policy:
+        container["imagePullPolicy"] = spec.runtime.image_pull_policy
+    pod_spec = {"serviceAccountName": names.router_account_name(name), "containers": [container], "volumes": volumes,
+                "securityContext": pod_sc, "terminationGracePeriodSeconds": pod.TERMINATION_GRACE_SECONDS}
+    labels = names.pod_labels(name, "router")
+    meta = pod.object_meta(names.pool_name(name, "router"), namespace, name, labels)
+    return pod.deployment(meta, r.replicas, labels, pod_spec, {})
+
+
+def build_router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding, all named ``<isvc>-router``."""
+    account = names.router_account_name(name)
+    meta = pod.object_meta(account, namespace, name, {names.COMPONENT_LABEL: "router"})
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": ROUTER_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]},
+    ]

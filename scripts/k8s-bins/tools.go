@@ -1,0 +1,10 @@
+//go:build tools
+
+// Package tools pins the k8s.io/kubernetes commands scripts/k8s-test-bins.sh builds (kept by `go mod tidy`).
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
