@@ -64,6 +64,7 @@ class LLMEngine:
         self.served_model_name = loaded.served_model_name
         self.max_model_len = loaded.max_model_len
         self.dtype = loaded.dtype
+        self.model_path = loaded.model_path
         block_size = config.cache.block_size
         m = self.model
         self.kv_cache_spec = KVCacheSpec(model=self.served_model_name, dtype=str(self.dtype).removeprefix("torch."),

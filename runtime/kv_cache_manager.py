@@ -38,7 +38,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest chain of cached full blocks that prefixes the request (never its last token, which must be
-        computed to produce logits). Returns (blocks, number of tokens they hold); takes no references."""
+        computed to produce logits). Returns (blocks, number of tokens they hold); takes no references and counts
+        nothing (see record_prefix_lookup)."""
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -48,9 +49,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (lookups of requests that then failed to fit are not counted)."""
+        self.prefix_cache_queries += num_queried_tokens
+        self.prefix_cache_hits += num_hit_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()) -> bool:
         return self._num_needed(request, num_new_tokens, new_computed_blocks) >= 0

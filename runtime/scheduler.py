@@ -185,6 +185,7 @@ class Scheduler:
                         self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
                                                                 num_external)
                         req.num_computed_tokens = num_local
+                        self.kv.record_prefix_lookup(req.num_tokens, num_local)
                         self._num_external[req.request_id] = num_external
                         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                         skipped.append(req)
@@ -201,8 +202,10 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_slots, hits) is None:
                 self.waiting.appendleft(req)
                 break
-            if fresh and self.connector is not None:
-                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
+            if fresh:
+                self.kv.record_prefix_lookup(req.num_tokens, len(hits) * self.block_size)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
