@@ -94,7 +94,6 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
     from transformers import AutoConfig
 
     from pdserve.kernels import select_backend
-    from pdserve.runtime.models import get_model_class
 
     device = torch.device(device)
     path = resolve_model_path(model_config.model, model_config.revision)
@@ -104,17 +103,23 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device)
     max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
-    model_cls = get_model_class(hf_config)
-    backend = select_backend(attention_backend, device)
-    with torch.device("meta"):
-        model = model_cls(hf_config, backend=backend, max_model_len=max_model_len)
-    model.load_weights(_iter_safetensors(path), device=device, dtype=dtype)
-    model.eval()
+    model = build_model(path, hf_config, device, dtype, select_backend(attention_backend, device), max_model_len)
     tokenizer = load_tokenizer(model_config.tokenizer or path)
     return LoadedModel(
         model=model, hf_config=hf_config, tokenizer=tokenizer, model_path=path, dtype=dtype,
         served_model_name=model_config.served_model_name or path.name, max_model_len=max_model_len,
     )
+
+
+def build_model(path: Path, hf_config: Any, device: torch.device, dtype: torch.dtype, backend: Any,
+                max_model_len: int) -> torch.nn.Module:
+    """Our model for ``hf_config`` with the safetensors weights in ``path``, materialized on ``device`` in eval mode."""
+    from pdserve.runtime.models import get_model_class
+
+    with torch.device("meta"):  # no throwaway random init: load_weights materializes every parameter
+        model = get_model_class(hf_config)(hf_config, backend=backend, max_model_len=max_model_len)
+    model.load_weights(_iter_safetensors(path), device=device, dtype=dtype)
+    return model.eval()
 
 
 def _iter_safetensors(path: Path):

@@ -1,0 +1,48 @@
+"""Build paged-attention batches by hand for kernel and model tests: sequences grow step by step over blocks drawn from
+a shuffled pool, so block tables are non-trivial (permuted, non-contiguous ids)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.base import AttentionMetadata
+
+
+class PagedBatchBuilder:
+    """Tracks each sequence's length and block table; ``step({seq: num_new})`` describes one forward pass."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0):
+        self.block_size = block_size
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, new_tokens: dict[int, int], device: str | torch.device = "cpu") -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata for this step (sequences in dict order) and the (T,) positions of the new tokens."""
+        bs = self.block_size
+        slots, positions, q_lens, seq_lens = [], [], [], []
+        for sid, n in new_tokens.items():
+            table = self.tables.setdefault(sid, [])
+            start = self.lens.get(sid, 0)
+            end = start + n
+            while len(table) * bs < end:
+                table.append(self.free.pop())
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            positions += list(range(start, end))
+            q_lens.append(n)
+            seq_lens.append(end)
+            self.lens[sid] = end
+        width = max(len(self.tables[sid]) for sid in new_tokens)
+        tables = [self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid in new_tokens]
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+        )
+        return meta, torch.tensor(positions, dtype=torch.int64, device=device)
