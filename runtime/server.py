@@ -49,7 +49,6 @@ class ServerOptions:
     api_key: str | None = None
     max_waiting: int | None = None        # requests accepted but not started beyond this -> 503 + Retry-After
     role: str = "both"
-    disconnect_poll_s: float = 0.5        # how often a non-streaming request checks whether its client left
 
 
 class _State:
@@ -145,7 +144,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         _check_model(state, req.model)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = list(engine.tokenizer.encode(prompt))
+            prompt_ids = list(engine.tokenizer.encode(prompt, add_special_tokens=False))  # as the engine does
         else:
             _check_token_ids(state, prompt, "prompt")
             prompt_ids = list(prompt)
@@ -300,24 +299,36 @@ class _Timer:
 
 async def _await_final(request: Request, state: _State, stream: RequestStream,
                        timer: _Timer) -> RequestOutput | None:
-    """The finished output (``None`` if the server aborted it); aborts when the client disconnects."""
-    last: RequestOutput | None = None
-    while True:
-        try:
-            out = await asyncio.wait_for(stream.next(), state.options.disconnect_poll_s)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                state.metrics.aborted_disconnect.inc()
-                raise ApiError(499, "client disconnected") from None
-            continue
-        except EngineDeadError as e:
-            raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
-        timer.update(out)
-        if out is None:
-            return last
-        last = out
-        if out.finished:
-            return out
+    """The finished output (``None`` if the server aborted it before any output); a client that disconnects first
+    gets its request aborted (by the caller's ``release``)."""
+
+    async def final() -> RequestOutput | None:
+        last = None
+        while True:
+            out = await stream.next()
+            timer.update(out)
+            if out is None or out.finished:
+                return out or last
+            last = out
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result, watcher = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():
+            result.cancel()
+    if not result.done() or result.cancelled():
+        state.metrics.aborted_disconnect.inc()
+        raise ApiError(499, "client disconnected")
+    try:
+        return result.result()
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
 async def _stream_events(state: _State, builder: ResponseBuilder, kind: str, req: Any, resp_id: str,
