@@ -16,9 +16,9 @@ def gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens
     """K and V of the first ``num_tokens`` cache slots named by one sequence's ``block_table`` -> 2 x (L, Hkv, D)."""
     block_size = kv_layer.shape[2]
     num_blocks = -(-num_tokens // block_size)
-    blocks = kv_layer[block_table[:num_blocks].long()]          # (nb, 2, bs, Hkv, D)
-    k = blocks[:, 0].flatten(0, 1)[:num_tokens]                  # (L, Hkv, D)
-    v = blocks[:, 1].flatten(0, 1)[:num_tokens]                  # (L, Hkv, D)
+    table = block_table[:num_blocks].long()
+    k = kv_layer[:, 0][table].flatten(0, 1)[:num_tokens]        # (nb, bs, Hkv, D) -> (L, Hkv, D)
+    v = kv_layer[:, 1][table].flatten(0, 1)[:num_tokens]        # (L, Hkv, D)
     return k, v
 
 
@@ -72,9 +72,8 @@ def _decode_batch(
     num_blocks = -(-max_len // block_size)
     idx = torch.tensor(seqs, device=meta.block_tables.device)
     tables = meta.block_tables[idx, :num_blocks].long()                      # (B, nb)
-    blocks = kv_layer[tables]                                                # (B, nb, 2, bs, Hkv, D)
-    k = blocks[:, :, 0].flatten(1, 2).to(q.dtype)                            # (B, nb*bs, Hkv, D)
-    v = blocks[:, :, 1].flatten(1, 2).to(q.dtype)                            # (B, nb*bs, Hkv, D)
+    k = kv_layer[:, 0][tables].flatten(1, 2).to(q.dtype)                     # (B, nb, bs, Hkv, D) -> (B, L, Hkv, D)
+    v = kv_layer[:, 1][tables].flatten(1, 2).to(q.dtype)                     # (B, L, Hkv, D)
     b = len(seqs)
     qg = q.view(b, num_kv_heads, group, head_dim)                            # (B, Hkv, G, D): the group acts as query rows
     lens_t = torch.tensor(lens, device=q.device)
