@@ -1,0 +1,310 @@
+"""NIXL connector: decode READs prompt blocks straight out of the prefill pod's registered KV cache (UCX backend;
+DRAM on CPU, VRAM on CUDA), the vLLM ``NixlConnector`` protocol with leases, authentication and verification added.
+
+Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote_decode`` keeps its full prompt blocks
+(delay_free) under a lease of ``lease_s`` seconds and answers vLLM-shaped ``kv_transfer_params`` plus ``lease_id``,
+``fingerprint``, ``block_hashes`` and ``block_checksums`` (CRC-32 of each block at handoff). An authenticated side
+channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint, cache address),
+``heartbeat`` (extends a live lease) and ``done`` (releases it and says whether it was still valid). Blocks are freed
+(``get_finished`` sending) only when a lease is done or expired.
+
+Decode - a request with ``do_remote_prefill`` claims the listed blocks that match its own prompt beyond its local
+prefix hits and loads them in a background thread: handshake (cached per peer; a peer whose call fails is dropped and
+re-handshaken next time), fingerprint check before any transfer, heartbeat (the lease must be alive), one NIXL READ
+with a deadline, then ``done``: only a lease that was still valid after the read proves the prefill blocks were never
+freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens.
+Finally each block's checksum is re-checked (``verify_checksums``, default on for CPU caches).
+
+Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host), ``token`` (else
+PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s`` (10), ``verify_checksums``,
+``backends`` (["UCX"]), ``engine_id``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+except ImportError:  # the PyPI wheel for CUDA 12 installs the same API as nixl_cu12
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+from pdserve.kv_connectors import side_channel
+from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_connector
+from pdserve.kv_connectors.block_codec import checksum, tensor_bytes
+from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
+                                               LoadTimeout, PeerUnreachable, logger)
+from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
+from pdserve.runtime import envs
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    expires: float
+    state: str = "active"   # active -> done | expired
+
+
+class LeaseTable:
+    """Prefill side: blocks held for a decode reader. ``done`` and expiry are decided under one lock, so a reader
+    told "valid" read blocks that were never released."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.num_expired = 0
+
+    def grant(self, request_id: str, block_ids: list[int]) -> str:
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._leases[lease_id] = Lease(request_id, block_ids, time.monotonic() + self.lease_s)
+        return lease_id
+
+    def _live(self, lease_id: str) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        return lease if lease and lease.state == "active" and time.monotonic() <= lease.expires else None
+
+    def heartbeat(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._live(lease_id)
+            if lease:
+                lease.expires = time.monotonic() + self.lease_s
+            return lease is not None
+
+    def done(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._live(lease_id)
+            if lease:
+                lease.state = "done"
+            return lease is not None
+
+    def reap(self) -> set[str]:
+        """Request ids whose blocks may be freed now (lease done or expired); each is returned once."""
+        now, freed = time.monotonic(), set()
+        with self._lock:
+            for lease_id, lease in list(self._leases.items()):
+                if lease.state == "active" and now > lease.expires:
+                    lease.state = "expired"
+                    self.num_expired += 1
+                    logger.warning("nixl: lease of request %s expired; freeing its %d blocks",
+                                   lease.request_id, len(lease.block_ids))
+                if lease.state != "active":
+                    freed.add(lease.request_id)
+                    del self._leases[lease_id]   # a late reader's heartbeat/done now answers "not valid"
+        return freed
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+@dataclass
+class Peer:
+    host: str
+    port: int
+    engine_id: str
+    agent_name: str
+    descs: Any   # prepped remote descriptor list, one descriptor per remote block
+
+
+@register_connector("nixl")
+class NixlConnector(LoadingConnector):
+    name = "nixl"
+
+    def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
+        config = {"load_threads": 1, **config}   # one loader: agent calls and peer drops stay ordered
+        super().__init__(role, config, spec)
+        self.engine_id = str(config.get("engine_id") or f"pdserve-{uuid.uuid4().hex[:16]}")
+        self.host = str(config.get("host", "127.0.0.1"))
+        self.port = int(config.get("port", 0))
+        self.advertise_host = str(config.get("advertise_host") or self.host)
+        token = config.get("token") or envs.kv_transfer_token()
+        if not token:
+            logger.warning("nixl: no side-channel token configured (token / PDSERVE_KV_TOKEN); using an empty key")
+        self.token = (token or "").encode()
+        self.leases = LeaseTable(float(config.get("lease_s", 30.0)))
+        self.handshake_timeout_s = float(config.get("handshake_timeout_s", 5.0))
+        self.verify_checksums = config.get("verify_checksums")
+        self.backends = list(config.get("backends", ["UCX"]))
+        self.agent: Any = None
+        self.server: side_channel.SideChannelServer | None = None
+        self._peers: dict[tuple[str, int], Peer] = {}
+
+    # ---- registration ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        super().register_kv_caches(kv_cache)
+        assert kv_cache.is_contiguous(), "NIXL registers the cache as one region"
+        if self.verify_checksums is None:
+            self.verify_checksums = kv_cache.device.type == "cpu"
+        self.agent = nixl_agent(self.engine_id, nixl_agent_config(
+            backends=self.backends, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        self._reg = self.agent.register_memory(kv_cache)
+        self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
+        self.device_id = kv_cache.device.index or 0
+        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._local_descs = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(
+            kv_cache.data_ptr(), kv_cache.shape[0], self.device_id), self.mem_type)
+        if self.role in ("prefill", "both"):
+            self.server = side_channel.SideChannelServer(
+                self.host, self.port, self.token, self._handle, timeout=self.handshake_timeout_s,
+                on_auth_failure=lambda: self.stats.add("kv_side_channel_auth_failures"))
+            self.port = self.server.port
+            logger.info("nixl: engine %s serves KV on %s:%d", self.engine_id, self.host, self.port)
+
+    def _block_descs(self, base: int, num_blocks: int, device_id: int) -> list[tuple[int, int, int]]:
+        return [(base + i * self.block_nbytes, self.block_nbytes, device_id) for i in range(num_blocks)]
+
+    # ---- prefill side ----------------------------------------------------------------------------------------------
+    def _handle(self, op: str, body: dict) -> dict:
+        if op == "meta":
+            return {"engine_id": self.engine_id, "agent_metadata": self.agent.get_agent_metadata(),
+                    "fingerprint": self.fingerprint, "base_addr": self.kv_cache.data_ptr(),
+                    "block_bytes": self.block_nbytes, "num_blocks": self.kv_cache.shape[0],
+                    "device_id": self.device_id, "mem_type": self.mem_type}
+        if op == "heartbeat":
+            return {"alive": self.leases.heartbeat(str(body.get("lease_id")))}
+        if op == "done":
+            return {"valid": self.leases.done(str(body.get("lease_id")))}
+        raise ValueError(f"unknown op {op!r}")
+
+    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or self.server is None:
+            return False, None
+        n = min(len(request.block_hashes), len(block_ids))
+        ids = list(block_ids[:n])
+        out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+               "remote_block_ids": ids, "remote_request_id": request.request_id,
+               "remote_host": self.advertise_host, "remote_port": self.port, "tp_size": 1, "connector": self.name,
+               "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]]}
+        if not ids:
+            return False, out
+        if self.verify_checksums:
+            out["block_checksums"] = [checksum(tensor_bytes(self.kv_cache[b].cpu())) for b in ids]
+        out["lease_id"] = self.leases.grant(request.request_id, ids)
+        out["lease_s"] = self.leases.lease_s
+        return True, out
+
+    def _finished_sending(self) -> set[str]:
+        freed = self.leases.reap()
+        self.stats.add("kv_leases_released", len(freed))
+        return freed
+
+    # ---- decode side -----------------------------------------------------------------------------------------------
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
+        p = request.kv_transfer_params or {}
+        if not (p.get("do_remote_prefill") and p.get("remote_host") and p.get("remote_port")):
+            return 0
+        remote = p.get("block_hashes") or []
+        limit = min(len(hashes), len(remote), len(p.get("remote_block_ids") or []))
+        n = 0
+        while start + n < limit and remote[start + n] == hashes[start + n].hex():
+            n += 1
+        return n
+
+    def _call(self, peer: Peer, op: str, body: dict) -> dict:
+        try:
+            return side_channel.call(peer.host, peer.port, self.token, op, body, self.handshake_timeout_s)
+        except KVLoadError:
+            self._drop_peer(peer)
+            raise
+
+    def _peer(self, host: str, port: int, engine_id: str | None) -> Peer:
+        peer = self._peers.get((host, port))
+        if peer and (engine_id is None or peer.engine_id == engine_id):
+            return peer
+        if peer:                      # another engine answers there now: the old one is gone
+            self._drop_peer(peer)
+        meta = side_channel.call(host, port, self.token, "meta", {}, self.handshake_timeout_s)
+        if meta["fingerprint"] != self.fingerprint:
+            raise FingerprintMismatch(f"peer {host}:{port} has fingerprint {meta['fingerprint']}, ours is "
+                                      f"{self.fingerprint}")
+        if engine_id is not None and meta["engine_id"] != engine_id:
+            raise PeerUnreachable(f"engine {engine_id} is gone ({host}:{port} is now {meta['engine_id']})")
+        name = self.agent.add_remote_agent(meta["agent_metadata"])
+        name = name.decode() if isinstance(name, bytes) else name
+        descs = self.agent.prep_xfer_dlist(name, [(meta["base_addr"] + i * meta["block_bytes"], meta["block_bytes"],
+                                                   meta["device_id"]) for i in range(meta["num_blocks"])],
+                                           meta["mem_type"])
+        peer = Peer(host, port, meta["engine_id"], name, descs)
+        self._peers[(host, port)] = peer
+        self.stats.add("kv_peer_handshakes")
+        return peer
+
+    def _drop_peer(self, peer: Peer) -> None:
+        if self._peers.get((peer.host, peer.port)) is not peer:
+            return
+        del self._peers[(peer.host, peer.port)]
+        self.stats.add("kv_peers_dropped")
+        try:
+            peer.descs.release()
+            self.agent.remove_remote_agent(peer.agent_name)
+        except Exception as e:  # the agent may already consider it gone
+            logger.debug("nixl: dropping peer %s: %r", peer.agent_name, e)
+
+    def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
+        p = job.params or {}
+        if p.get("fingerprint") != self.fingerprint:
+            raise FingerprintMismatch(f"prefill fingerprint {p.get('fingerprint')} != ours {self.fingerprint}")
+        peer = self._peer(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"))
+        lease_id = p.get("lease_id")
+        if lease_id and not self._call(peer, "heartbeat", {"lease_id": lease_id})["alive"]:
+            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired before the read")
+        local = [b for _, b, _ in job.blocks]
+        remote = [int(p["remote_block_ids"][i]) for i, _, _ in job.blocks]
+        self._read(job, peer, local, remote, lease_id)
+        if lease_id and not self._call(peer, "done", {"lease_id": lease_id})["valid"]:
+            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired during the read")
+        errors: dict[int, KVLoadError] = {}
+        sums = p.get("block_checksums") if self.verify_checksums else None
+        for i, b, _ in job.blocks if sums else ():
+            if checksum(tensor_bytes(self.kv_cache[b].cpu())) != sums[i]:
+                errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
+        return errors
+
+    def _read(self, job: LoadJob, peer: Peer, local: list[int], remote: list[int], lease_id: str | None) -> None:
+        with self._lock:
+            if job.cancelled:
+                raise LoadTimeout("load cancelled after its deadline")
+        handle = self.agent.make_prepped_xfer("READ", self._local_descs, local, peer.descs, remote)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.load_timeout_s
+            next_beat = time.monotonic() + self.leases.lease_s / 3
+            while state == "PROC":
+                now = time.monotonic()
+                if now > deadline:
+                    self._drop_peer(peer)
+                    raise LoadTimeout(f"NIXL READ of {len(local)} blocks not done within {self.load_timeout_s}s")
+                if lease_id and now > next_beat:   # a long transfer keeps its lease alive
+                    self._call(peer, "heartbeat", {"lease_id": lease_id})
+                    next_beat = now + self.leases.lease_s / 3
+                time.sleep(0.0002)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                self._drop_peer(peer)
+                raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed ({state})")
+        finally:
+            try:
+                handle.release()   # aborts a transfer still in flight
+            except Exception as e:
+                logger.warning("nixl: releasing a transfer handle failed: %r", e)
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "kv_leases_active": len(self.leases), "kv_leases_expired": self.leases.num_expired}
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.server:
+            self.server.close()
+            self.server = None
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)

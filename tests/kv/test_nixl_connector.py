@@ -1,0 +1,194 @@
+"""NIXL connector with real agents (UCX over loopback): two engines' connectors in one process, plus a prefill in a
+separate process for the cross-process READ and the "prefill died after it answered" fault."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_connectors import side_channel
+from pdserve.kv_connectors.base import KVCacheSpec, create_connector
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+from tests.support.server import free_port
+
+pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
+
+TOKEN = "test-kv-token"
+PROMPT = list(range(7, 7 + 5 * BLOCK + 3))      # 5 full blocks + 3 tokens
+SRC, DST = [2, 4, 6, 8, 10, 12], [20, 21, 22, 23, 24, 25]
+
+
+def _conn(role, **extra):
+    c = create_connector("nixl", role, {"token": TOKEN, "load_timeout_s": 5, "handshake_timeout_s": 2, **extra}, SPEC)
+    c.register_kv_caches(make_cache(fill=role == "prefill"))
+    return c
+
+
+@pytest.fixture(scope="module")
+def decode():
+    d = _conn("decode")
+    yield d
+    d.shutdown()
+
+
+@pytest.fixture
+def prefill_conn():
+    p = _conn("prefill")
+    yield p
+    p.shutdown()
+
+
+def _handoff(p, rid="r"):
+    return prefill(p, Req(rid, PROMPT, {"do_remote_decode": True}), SRC)
+
+
+def _delta(d, before, key):
+    return d.metrics().get(key, 0) - before.get(key, 0)
+
+
+def test_read_blocks_and_release_lease(prefill_conn, decode):
+    p = prefill_conn
+    params = _handoff(p)
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == p.port and params["tp_size"] == 1
+    assert params["remote_block_ids"] == SRC[:5] and params["lease_id"]
+    delay, _ = p.request_finished(Req("plain", PROMPT), SRC)             # no do_remote_decode: nothing held
+    assert delay is False
+    res = load(decode, Req("r", PROMPT, params), DST)
+    assert res.num_tokens == 5 * BLOCK and res.is_async and not res.bad_blocks
+    assert all(torch.equal(p.kv_cache[s], decode.kv_cache[t]) for s, t in zip(SRC, DST[:5]))
+    assert p.get_finished()[0] == {"r"}                                 # "done" released the lease
+
+
+def test_local_prefix_hits_are_skipped(prefill_conn, decode):
+    params = _handoff(prefill_conn)
+    decode.kv_cache[DST[:2]] = 0
+    res = load(decode, Req("r", PROMPT, params), DST, num_local_tokens=2 * BLOCK)
+    assert res.num_tokens == 3 * BLOCK and not res.bad_blocks
+    assert not decode.kv_cache[DST[:2]].any()                            # local blocks untouched
+    assert torch.equal(decode.kv_cache[DST[2]], prefill_conn.kv_cache[SRC[2]])
+
+
+def test_fingerprint_mismatch_rejected_before_transfer(prefill_conn):
+    other = KVCacheSpec(**{**SPEC.__dict__, "model": "another-model"})
+    d = create_connector("nixl", "decode", {"token": TOKEN}, other)
+    d.register_kv_caches(make_cache(spec=other))
+    params = _handoff(prefill_conn)
+    res = load(d, Req("r", PROMPT, {**params, "fingerprint": other.fingerprint()}), DST)   # a forged param
+    assert res.bad_blocks == set(DST[:5]) and not d.kv_cache.any()
+    m = d.metrics()
+    assert m["kv_load_failures{kind=fingerprint}"] == 1 and m.get("kv_peer_handshakes", 0) == 0
+    d.shutdown()
+
+
+def test_unreachable_peer_errors_within_timeout(decode):
+    with socket.socket() as blackhole:          # accepts connections but never answers
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen()
+        before = decode.metrics()
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_engine_id": "x",
+                  "remote_block_ids": SRC[:5], "fingerprint": SPEC.fingerprint(),
+                  "block_hashes": [h.hex() for h in Req("u", PROMPT).block_hashes]}
+        res = load(decode, Req("u", PROMPT, {**params, "remote_port": blackhole.getsockname()[1]}), DST, timeout=30)
+        assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=timeout}") == 1
+    res = load(decode, Req("u2", PROMPT, {**params, "remote_port": free_port()}), DST, timeout=30)
+    assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=peer_unreachable}") == 1
+
+
+def test_wrong_token_rejected(prefill_conn):
+    with pytest.raises(side_channel.SideChannelError, match="unauthorized"):
+        side_channel.call("127.0.0.1", prefill_conn.port, b"wrong", "meta")
+    d = create_connector("nixl", "decode", {"token": "wrong"}, SPEC)
+    d.register_kv_caches(make_cache())
+    res = load(d, Req("r", PROMPT, _handoff(prefill_conn)), DST)
+    assert res.bad_blocks == set(DST[:5]) and not d.kv_cache.any()
+    assert prefill_conn.metrics()["kv_side_channel_auth_failures"] == 2
+    assert side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "heartbeat", {"lease_id": "x"}) == \
+        {"alive": False}
+    d.shutdown()
+
+
+def test_expired_lease_before_read_is_detected(decode):
+    p = _conn("prefill", lease_s=0.2)
+    params = _handoff(p)
+    time.sleep(0.4)
+    assert p.get_finished()[0] == {"r"}                    # the engine frees the blocks ...
+    p.kv_cache[SRC] = -1.0                                 # ... and reuses them for another request
+    before = decode.metrics()
+    res = load(decode, Req("r", PROMPT, params), DST)
+    assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=lease_expired}") == 1
+    p.shutdown()
+
+
+def test_lease_expiring_during_the_read_is_detected(decode, monkeypatch):
+    """The late-reader race: the read itself succeeds but the blocks were freed and reused while it ran."""
+    p = _conn("prefill", lease_s=0.3)
+    params = _handoff(p)
+    real_read = type(decode)._read
+
+    def slow_read(self, job, peer, local, remote, lease_id):
+        time.sleep(0.5)
+        assert p.get_finished()[0] == {"r"}
+        p.kv_cache[SRC] = -1.0
+        real_read(self, job, peer, local, remote, lease_id)
+
+    monkeypatch.setattr(type(decode), "_read", slow_read)
+    before = decode.metrics()
+    res = load(decode, Req("r", PROMPT, params), DST)
+    assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=lease_expired}") == 1
+    p.shutdown()
+
+
+def test_corrupted_block_fails_checksum(prefill_conn, decode):
+    params = _handoff(prefill_conn)
+    prefill_conn.kv_cache[SRC[3], 0, 0, 0, 0, 0] += 1.0    # the block changed after handoff
+    before = decode.metrics()
+    res = load(decode, Req("r", PROMPT, params), DST)
+    assert res.bad_blocks == {DST[3]} and _delta(decode, before, "kv_load_failures{kind=corrupt}") == 1
+
+
+def test_restarted_peer_is_dropped_and_rehandshaken(decode):
+    port = free_port()
+    p1 = _conn("prefill", port=port)
+    params1 = _handoff(p1)
+    assert not load(decode, Req("r", PROMPT, params1), DST).bad_blocks
+    p1.shutdown()
+    p2 = _conn("prefill", port=port)                         # a new engine on the same address
+    before = decode.metrics()
+    assert load(decode, Req("r", PROMPT, params1), DST).bad_blocks == set(DST[:5])   # old params: engine gone
+    params2 = _handoff(p2)
+    res = load(decode, Req("r2", PROMPT, params2), DST)
+    assert not res.bad_blocks and torch.equal(decode.kv_cache[DST[0]], p2.kv_cache[SRC[0]])
+    assert _delta(decode, before, "kv_peers_dropped") == 1 and _delta(decode, before, "kv_peer_handshakes") == 1
+    p2.shutdown()
+
+
+def test_cross_process_read_then_prefill_dies(decode):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kv.nixl_peer", str(port), TOKEN, str(len(PROMPT))],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("PARAMS "):
+            line = proc.stdout.readline()
+            assert line, "the prefill process exited before answering"
+        params = json.loads(line.removeprefix("PARAMS "))
+        torch.manual_seed(1234)
+        expected = make_cache(fill=True)                     # the same seeded pattern the peer filled its cache with
+        prompt = list(range(len(PROMPT)))
+        res = load(decode, Req("remote", prompt, params), DST)
+        assert res.num_tokens == 5 * BLOCK and not res.bad_blocks
+        assert all(torch.equal(expected[s], decode.kv_cache[t]) for s, t in zip(range(1, 6), DST))
+        proc.kill()
+        proc.wait(10)
+        before = decode.metrics()
+        t0 = time.monotonic()
+        res = load(decode, Req("remote", prompt, params), DST, timeout=30)
+        assert res.bad_blocks == set(DST[:5]) and time.monotonic() - t0 < 30
+        assert _delta(decode, before, "kv_load_failures{kind=peer_unreachable}") == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
