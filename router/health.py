@@ -43,6 +43,7 @@ class HealthMonitor:
     def __init__(self, cfg: RouterConfig, pool: EndpointPool, metrics: RouterMetrics, index: PrefixIndex):
         self.cfg, self.pool, self.metrics, self.index = cfg, pool, metrics, index
         self.session: aiohttp.ClientSession | None = None
+        self.rounds = 0  # completed check rounds
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout)
@@ -63,6 +64,7 @@ class HealthMonitor:
         self.metrics.endpoints.clear()
         for (role, state), n in counts.items():
             self.metrics.endpoints.labels(role, state).set(n)
+        self.rounds += 1
 
     async def check(self, ep: Endpoint) -> None:
         try:

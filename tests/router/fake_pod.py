@@ -39,6 +39,7 @@ class FakeState:
     record: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)  # {"path", "body", "headers"}
     disconnects: int = 0
+    sent_chunks: int = 0             # SSE chunks written so far (all streams)
     count: int = 0
 
 
@@ -145,6 +146,7 @@ class FakePod:
                     delta = {"choices": [{"index": 0, "text": f"{st.name}-{i} "}]}
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(delta)}\n\n".encode(),
                             "more_body": True})
+                st.sent_chunks += 1
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         finally:
             watcher.cancel()
