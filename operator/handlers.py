@@ -50,6 +50,8 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
                 raise kopf.PermanentError(f"{result.error.reason}: {result.error}")
             return
         if repair:
+            for obj in result.create_only:
+                await kube.create_if_missing(obj)
             for obj in result.objects:
                 await kube.apply(obj)
             for kind, child in result.prune:

@@ -24,12 +24,13 @@ KIND_PATHS = {  # kind -> (API prefix, plural); all namespaced
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     names.KIND: (f"/apis/{names.API_VERSION}", names.PLURAL),
 }
-RETRY_STATUS = {409, 429, 500, 502, 503, 504}
+RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 ATTEMPTS = 5
 REQUEST_TIMEOUT = 30
 
@@ -59,7 +60,7 @@ class Kube:
         await self.api.close()
 
     async def request(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
-                      content_type: str = "application/json") -> Any:
+                      content_type: str = "application/json", retry: frozenset[int] = RETRY_STATUS) -> Any:
         for attempt in range(ATTEMPTS):
             try:
                 return await self.api.call_api(
@@ -68,7 +69,7 @@ class Kube:
                     response_types_map={200: "object", 201: "object", 202: "object"},
                     _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT)
             except ApiException as e:
-                if e.status not in RETRY_STATUS or attempt == ATTEMPTS - 1:
+                if e.status not in retry or attempt == ATTEMPTS - 1:
                     raise
                 why = f"HTTP {e.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -94,6 +95,15 @@ class Kube:
             log.info("re-creating %s %s/%s: an immutable field changed", obj["kind"], meta["namespace"], meta["name"])
             await self.delete(obj["kind"], meta["namespace"], meta["name"])
             return await self.request("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
+
+    async def create_if_missing(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        try:
+            await self.request("POST", object_path(obj["kind"], meta["namespace"]), body=obj,
+                               query=[("fieldManager", names.FIELD_MANAGER)], retry=RETRY_STATUS - {409})
+        except ApiException as e:
+            if e.status != 409:  # 409 AlreadyExists: keep it as it is
+                raise
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         try:

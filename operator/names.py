@@ -74,3 +74,7 @@ def router_account_name(instance: str) -> str:
 
 def config_map_name(instance: str) -> str:
     return f"{instance}-config"
+
+
+def kv_token_secret_name(instance: str) -> str:
+    return f"{instance}-kv-token"

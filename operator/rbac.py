@@ -1,6 +1,7 @@
 """The operator's own least-privilege RBAC rules: exactly the verbs and resources kube.py and kopf use.
 
-The chart renders these rules (charts/pdserve/templates/rbac.yaml); tests/operator checks the two stay equal.
+`python -m pdserve.operator.crdgen` writes them into the chart (files/rbac-rules.yaml, rendered by
+templates/rbac.yaml); the drift test fails when the chart's copy is stale.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pdserve.operator.router_objects import ROUTER_RULES
 
 CHILD_VERBS = ["get", "list", "watch", "create", "patch", "delete"]  # server-side apply = create/patch
 
-OPERATOR_RULES = [
+NAMESPACED_RULES = [
     # kopf watches InferenceServices, keeps handler progress in annotations (patch); status via the subresource.
     {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "verbs": ["get", "patch"]},
@@ -18,10 +19,21 @@ OPERATOR_RULES = [
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["configmaps", "services", "serviceaccounts"], "verbs": CHILD_VERBS},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
+    # the per-InferenceService KV-transfer token: created once, never read back or updated
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": CHILD_VERBS},
     # held only so the operator may grant them to each router's Role (RBAC forbids granting what one lacks)
     *ROUTER_RULES,
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    # kopf discovers custom resources and notices CRD changes
+]
+
+# Cluster-scoped reads kopf needs in every mode: it discovers custom resources and notices CRD changes.
+CLUSTER_RULES = [
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
 ]
+
+
+def chart_rules() -> dict[str, list[dict]]:
+    """The chart's charts/pdserve/files/rbac-rules.yaml (written by crdgen): a ClusterRole gets both lists when the
+    operator watches all namespaces; otherwise each watched namespace gets a Role with ``namespaced``."""
+    return {"namespaced": NAMESPACED_RULES, "cluster": CLUSTER_RULES}

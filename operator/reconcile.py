@@ -16,7 +16,7 @@ from typing import Any
 import pydantic
 
 from pdserve.operator import names, pod
-from pdserve.operator.configmap import build_config_map, config_hash
+from pdserve.operator.configmap import build_config_map, build_kv_token_secret, config_hash
 from pdserve.operator.models import InferenceServiceSpec
 from pdserve.operator.pod import InvalidSpec
 from pdserve.operator.router_objects import build_router_deployment, build_router_rbac
@@ -36,7 +36,8 @@ class Observed:
 
 @dataclass
 class Reconciliation:
-    objects: list[dict[str, Any]]
+    objects: list[dict[str, Any]]  # server-side applied, in order
+    create_only: list[dict[str, Any]]  # created when missing, never updated (the random KV token Secret)
     prune: list[tuple[str, str]]  # (kind, name) of owned objects no longer desired
     status: dict[str, Any]
     error: InvalidSpec | None = None
@@ -72,11 +73,13 @@ def reconcile(body: dict[str, Any], observed: Observed, now: dt.datetime | None 
         spec = parse_spec(body)
         objects = desired_objects(body, spec)
     except InvalidSpec as e:  # keep what runs; report, do not touch children
-        return Reconciliation([], [], invalid_status(body, e, now), e)
+        return Reconciliation([], [], [], invalid_status(body, e, now), e)
     wanted = {(o["kind"], o["metadata"]["name"]) for o in objects}
     existing = [("Deployment", n) for n in observed.deployments] + [("Service", n) for n in observed.services]
     prune = sorted(k for k in existing if k not in wanted)
-    return Reconciliation(objects, prune, compute_status(body, spec, observed, now))
+    secret = build_kv_token_secret(body["metadata"]["name"], body["metadata"]["namespace"])
+    secret["metadata"]["ownerReferences"] = [pod.owner_reference(body)]
+    return Reconciliation(objects, [secret], prune, compute_status(body, spec, observed, now))
 
 
 def _pool_status(deployment: dict[str, Any] | None, desired: int, selector: str) -> tuple[dict[str, Any], bool, str]:

@@ -22,7 +22,8 @@ def router_args(name: str, namespace: str, spec: InferenceServiceSpec) -> list[s
     r = spec.router
     args = ["router", "--host", "0.0.0.0", "--port", str(names.ROUTER_PORT), "--discover", names.runtime_selector(name),
             "--namespace", namespace, "--role-label", names.ROLE_LABEL, "--policy", r.policy,
-            "--pd-threshold", str(r.pd_threshold)]
+            "--pd-threshold", str(r.pd_threshold), "--block-size", str(spec.runtime.block_size),
+            "--kv-events-port", str(names.KV_EVENTS_PORT), "--kv-events-replay-port", str(names.KV_EVENTS_REPLAY_PORT)]
     if r.api_key_secret_ref:
         args += ["--api-key", f"$({API_KEY_ENV})"]
     return args

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.operator import names, pod
-from pdserve.operator.configmap import CONFIG_KEY, REDIS_URL_ENV
+from pdserve.operator.configmap import CONFIG_KEY, KV_TOKEN_ENV, KV_TOKEN_KEY, REDIS_URL_ENV
 from pdserve.operator.models import InferenceServiceSpec, PoolSpec, RuntimeOverrides, RuntimeSpec
 
 KV_CONFIG_ENV = "PDSERVE_KV_CONNECTOR_CONFIG"
@@ -69,7 +69,9 @@ def serve_env(name: str, spec: InferenceServiceSpec, rt: RuntimeSpec) -> list[di
     """Env of a runtime container; the vars referenced as ``$(VAR)`` in args come first (the kubelet requires it)."""
     env = [{"name": KV_CONFIG_ENV, "valueFrom": {"configMapKeyRef": {"name": names.config_map_name(name),
                                                                      "key": CONFIG_KEY}}},
-           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": KV_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": names.kv_token_secret_name(name),
+                                                                 "key": KV_TOKEN_KEY}}}]
     if rt.api_key_secret_ref:
         env.append(pod.secret_env(API_KEY_ENV, rt.api_key_secret_ref))
     redis = spec.kv_transfer.redis

@@ -1,0 +1,130 @@
+"""Generated artifacts and the image recipe, checked without a cluster: CRD/RBAC drift, CRD structure, examples,
+and a structural lint of the Dockerfile (there is no Docker engine here, so the image itself is never built)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.operator import crdgen
+from pdserve.operator.reconcile import Observed, reconcile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_generated_files_match_the_models():
+    for path, text in crdgen.render().items():
+        assert path.read_text() == text, f"{path.relative_to(REPO)} is stale: run python -m pdserve.operator.crdgen"
+    out = subprocess.run([sys.executable, "-m", "pdserve.operator.crdgen", "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_drift_check_fails_on_a_changed_copy(tmp_path, monkeypatch):
+    stale = tmp_path / "inferenceservice.yaml"
+    stale.write_text(crdgen.render()[crdgen.CRD_OUTPUTS[0]].replace("minimum: 0", "minimum: 1"))
+    monkeypatch.setattr(crdgen, "CRD_OUTPUTS", (stale,))
+    monkeypatch.setattr(crdgen, "REPO", tmp_path)
+    assert crdgen.main(["--check"]) == 1
+    assert crdgen.main([]) == 0 and crdgen.main(["--check"]) == 0
+
+
+def _walk(schema, path="$"):
+    yield path, schema
+    for key in ("properties",):
+        for name, sub in schema.get(key, {}).items():
+            yield from _walk(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from _walk(schema[key], f"{path}[{key}]")
+
+
+def test_crd_schema_is_structural_and_has_the_rules():
+    crd = crdgen.build_crd()
+    version = crd["spec"]["versions"][0]
+    root = version["schema"]["openAPIV3Schema"]
+    for path, node in _walk(root):
+        assert "$ref" not in node and "title" not in node, path
+        assert node.get("additionalProperties") is not False, path
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        if "anyOf" in node:
+            assert node.get("x-kubernetes-int-or-string") is True, path
+    spec = root["properties"]["spec"]["properties"]
+    assert spec["model"]["properties"]["name"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+    assert spec["decode"]["properties"]["replicas"]["minimum"] == 0
+    assert spec["decode"]["default"] == {} and spec["decode"]["properties"]["replicas"]["default"] == 1
+    kv_rules = [r["rule"] for r in spec["kvTransfer"]["x-kubernetes-validations"]]
+    assert kv_rules == ["self.connector != 'redis' || has(self.redis)", "self.connector != 'disk' || has(self.disk)"]
+    assert spec["kvTransfer"]["properties"]["connector"]["enum"] == ["nixl", "redis", "disk"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.decode.replicas"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model", "Ready", "Prefill", "Decode", "Router", "Endpoint", "Age"]
+    assert crd["spec"]["names"]["shortNames"] == ["pdis"]
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "crds" / "examples").glob("*.yaml")))
+def test_examples_reconcile(example):
+    body = yaml.safe_load((REPO / "crds" / "examples" / example).read_text())
+    body["metadata"].update(namespace="ns", uid="u", generation=1)
+    result = reconcile(body, Observed())
+    assert result.error is None and len(result.objects) >= 8
+
+
+# -- Dockerfile (structure only: no Docker engine on this machine) --------------------------------------------------
+
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    text = (REPO / "Dockerfile").read_text()
+    logical = re.sub(r"\\\n", " ", text)
+    stages: list[list[tuple[str, str]]] = []
+    for line in logical.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instr, _, rest = line.partition(" ")
+        if instr.upper() == "FROM":
+            stages.append([])
+        elif not stages:
+            continue  # global ARGs
+        stages[-1].append((instr.upper(), rest.strip()))
+    return stages
+
+
+def test_dockerfile_structure():
+    stages = dockerfile_stages()
+    assert len(stages) >= 2, "multi-stage build expected"
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=", text, re.M) and text.count("FROM ${BASE_IMAGE}") == 2, "GPU via BASE_IMAGE"
+    final = stages[-1]
+    users = [rest for instr, rest in final if instr == "USER"]
+    assert users and re.fullmatch(r"[1-9][0-9]*(:[0-9]+)?", users[-1]), "numeric non-root USER in the final stage"
+    entry = [json.loads(rest) for instr, rest in final if instr == "ENTRYPOINT"]
+    assert entry == [["pdserve"]]
+    assert any(instr == "COPY" and rest.startswith("--from=builder") for instr, rest in final)
+    final_runs = " ".join(rest for instr, rest in final if instr == "RUN")
+    for tool in ("build-essential", "gcc", "g++", "pip install", "git "):
+        assert tool not in final_runs, f"{tool!r} in the final stage"
+    env = " ".join(rest for instr, rest in final if instr == "ENV")
+    for var in ("HOME=/cache", "PDSERVE_CACHE_DIR=/cache", "HF_HOME=/cache", "PYTHONDONTWRITEBYTECODE=1"):
+        assert var in env, f"read-only root: {var} expected"
+    for stage in stages:
+        for instr, rest in stage:
+            if instr == "RUN" and "pip install" in rest:
+                assert all("--no-cache-dir" in part for part in rest.split("pip install")[1:]), rest
+            if instr == "RUN" and "apt-get install" in rest:
+                assert "rm -rf /var/lib/apt/lists" in rest and "--no-install-recommends" in rest, rest
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests"} <= set(ignored)
+
+
+def test_dockerfile_copies_every_package_folder():
+    import tomllib
+
+    dirs = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    top = {d.split("/")[0] for d in dirs}
+    copied = {rest.split()[0].rstrip("/") for instr, rest in dockerfile_stages()[0] if instr == "COPY"}
+    assert top <= copied, f"not copied into the image: {sorted(top - copied)}"
