@@ -42,6 +42,7 @@ from pdserve.runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+MAX_BODY_BYTES = 32 * 2**20   # request bodies beyond this are refused (413) before being read into memory
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,16 @@ async def drain(app: FastAPI, grace_period_s: float) -> int:
 # ---- request helpers ----
 
 async def _json(request: Request) -> Any:
-    raw = await request.body()
+    length = request.headers.get("content-length", "0")
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body must be at most {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body must be at most {MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(raw)
+        return json.loads(bytes(raw))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
