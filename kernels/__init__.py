@@ -23,22 +23,28 @@ def _have(module: str) -> bool:
         return False
 
 
-def select_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+def select_backend(name: str | None, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
     """The attention backend for ``device``: ``name`` explicitly (``torch``, ``triton``, ``flash``), or auto when None.
 
+    ``dtype`` (the model's compute dtype, when known) keeps auto off flash-attn for float32, which it cannot run.
     Raises ``ValueError`` with the reason when an explicit backend cannot run here.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
+    half = dtype in (None, torch.float16, torch.bfloat16)
     if name is None:
-        if cuda and _have("flash_attn") and "flash" in available_backends():
+        if cuda and half and _have("flash_attn") and "flash" in available_backends():
             return create_backend("flash")
         if cuda and _have("triton"):
             return create_backend("triton")
         return create_backend("torch")
-    if name == "flash" and not (cuda and "flash" in available_backends()):
-        raise ValueError("attention backend 'flash' needs a CUDA device and flash-attn "
-                         "(`pip install 'pdserve[gpu]'`); use 'triton' or 'torch' instead")
+    if name == "flash":
+        if not (cuda and "flash" in available_backends()):
+            raise ValueError("attention backend 'flash' needs a CUDA device and flash-attn "
+                             "(`pip install 'pdserve[gpu]'`); use 'triton' or 'torch' instead")
+        if not half:
+            raise ValueError(f"attention backend 'flash' runs in float16/bfloat16 only, not {dtype}; "
+                             "use --dtype bfloat16 or the 'triton' backend")
     if name == "triton":
         if not _have("triton"):
             raise ValueError("attention backend 'triton' needs the triton package (`pip install triton`)")

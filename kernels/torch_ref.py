@@ -22,6 +22,19 @@ def gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens
     return k, v
 
 
+def context_slots(meta: AttentionMetadata, block_size: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block id, offset) of every context token, sequences back to back -> 2 x (total,), ``total = sum(seq_lens)``.
+
+    Vectorized (no host sync): what a varlen kernel over a contiguous copy of the contexts needs (the flash backend).
+    """
+    seq_lens = meta.seq_lens.long()
+    starts = torch.cumsum(seq_lens, 0) - seq_lens                                     # (S,)
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=seq_lens.device), seq_lens, output_size=total)
+    pos = torch.arange(total, device=seq_lens.device) - starts[seq_of]                # (total,) position in its sequence
+    blocks = meta.block_tables.long()[seq_of, pos // block_size]
+    return blocks, pos % block_size
+
+
 def paged_attention_ref(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,

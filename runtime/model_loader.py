@@ -103,7 +103,8 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device)
     max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
-    model = build_model(path, hf_config, device, dtype, select_backend(attention_backend, device), max_model_len)
+    model = build_model(path, hf_config, device, dtype, select_backend(attention_backend, device, dtype),
+                        max_model_len)
     tokenizer = load_tokenizer(model_config.tokenizer or path)
     return LoadedModel(
         model=model, hf_config=hf_config, tokenizer=tokenizer, model_path=path, dtype=dtype,
