@@ -143,16 +143,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pdserve.runtime.config import EngineConfig
-    from pdserve.runtime.engine import LLMEngine
-    from pdserve.runtime.kv_event_publisher import KVEventPublisher
-    from pdserve.runtime.server import ServerOptions, run_server
+    from pdserve.runtime.server import run_server
 
-    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
-    publisher = None
-    if args.kv_events_port:
-        publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,
-                                     replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
-    options = ServerOptions(api_key=args.api_key, max_waiting=args.max_waiting, role=args.role)
-    return run_server(engine, host=args.host, port=args.port, options=options, kv_publisher=publisher,
-                      shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level)
+    return run_server(args)

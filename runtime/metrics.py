@@ -8,6 +8,7 @@ per-request latencies and batch sizes are histograms observed as they happen.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +111,29 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latencies of one request: TTFT, inter-token latency (per token), end-to-end; fed with each
+    cumulative output as it arrives (``None``: aborted by the server)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics, self.arrival, self.last, self.num_tokens = metrics, arrival, None, 0
+
+    def update(self, out: Any) -> None:
+        now = time.monotonic()
+        n = len(out.outputs[0].token_ids) if out is not None else self.num_tokens
+        if n > self.num_tokens:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                per_token = (now - self.last) / (n - self.num_tokens)
+                for _ in range(n - self.num_tokens):
+                    self.metrics.itl.observe(per_token)
+            self.last, self.num_tokens = now, n
+        if out is None or out.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.request_finished(out.outputs[0].finish_reason if out is not None else "abort")
 
 
 def parse_samples(text: str) -> dict[str, float]:

@@ -32,7 +32,7 @@ from pdserve import __version__
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
-from pdserve.runtime.metrics import ServerMetrics
+from pdserve.runtime.metrics import RequestTimer, ServerMetrics
 from pdserve.runtime.outputs import RequestOutput
 from pdserve.runtime.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, error_body, parse)
@@ -267,11 +267,11 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
     except EngineDeadError as e:
         raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
     resp_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
-    timer = _Timer(metrics, arrival)
+    timer = RequestTimer(metrics, arrival)
     headers = {"X-Request-Id": base_id}
     if req.stream:
-        gen = _stream_events(state, builder, kind, req, resp_id, prompt_ids, stream, timer)
-        return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        gen = _stream_events(builder, kind, req, resp_id, prompt_ids, stream, timer)
+        return _EngineStreamResponse(gen, state, stream, media_type="text/event-stream", headers=headers)
     try:
         final = await _await_final(request, state, stream, timer)
     finally:
@@ -283,30 +283,8 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
     return JSONResponse(body, headers=headers)
 
 
-class _Timer:
-    """Per-request latency metrics: TTFT, inter-token latency, end-to-end."""
-
-    def __init__(self, metrics: ServerMetrics, arrival: float):
-        self.metrics, self.arrival, self.last, self.num_tokens = metrics, arrival, None, 0
-
-    def update(self, out: RequestOutput | None) -> None:
-        now = time.monotonic()
-        n = len(out.outputs[0].token_ids) if out is not None else self.num_tokens
-        if n > self.num_tokens:
-            if self.last is None:
-                self.metrics.ttft.observe(now - self.arrival)
-            else:
-                per_token = (now - self.last) / (n - self.num_tokens)
-                for _ in range(n - self.num_tokens):
-                    self.metrics.itl.observe(per_token)
-            self.last, self.num_tokens = now, n
-        if out is None or out.finished:
-            self.metrics.e2e.observe(now - self.arrival)
-            self.metrics.request_finished(out.outputs[0].finish_reason if out is not None else "abort")
-
-
 async def _await_final(request: Request, state: _State, stream: RequestStream,
-                       timer: _Timer) -> RequestOutput | None:
+                       timer: RequestTimer) -> RequestOutput | None:
     """The finished output (``None`` if the server aborted it before any output); a client that disconnects first
     gets its request aborted (by the caller's ``release``)."""
 
@@ -339,33 +317,45 @@ async def _await_final(request: Request, state: _State, stream: RequestStream,
         raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
-async def _stream_events(state: _State, builder: ResponseBuilder, kind: str, req: Any, resp_id: str,
-                         prompt_ids: list[int], stream: RequestStream, timer: _Timer) -> AsyncIterator[str]:
-    """SSE frames for one request; the ``finally`` aborts it when the client disconnects (task cancelled)."""
+class _EngineStreamResponse(StreamingResponse):
+    """SSE response that releases its engine request however it ends: completed, client gone (the body task is
+    cancelled, possibly before the generator ever ran), or an error while sending."""
+
+    def __init__(self, content: AsyncIterator[str], state: _State, stream: RequestStream, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._state, self._stream = state, stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._stream.finished:
+                self._state.metrics.aborted_disconnect.inc()
+            self._state.async_engine.release(self._stream)
+
+
+async def _stream_events(builder: ResponseBuilder, kind: str, req: Any, resp_id: str, prompt_ids: list[int],
+                         stream: RequestStream, timer: RequestTimer) -> AsyncIterator[str]:
+    """SSE frames for one request, ending with ``data: [DONE]`` (errors are sent as an error event first)."""
     chunker = builder.chunker(kind, req, resp_id, prompt_ids)
-    try:
-        for chunk in chunker.start():
+    for chunk in chunker.start():
+        yield _sse(chunk)
+    while True:
+        try:
+            out = await stream.next()
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "service_unavailable_error"))
+            break
+        timer.update(out)
+        if out is not None and out.outputs[0].finish_reason == "error":
+            yield _sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
+                                  "service_unavailable_error", code="engine_error"))
+            break
+        for chunk in chunker.update(out):
             yield _sse(chunk)
-        while True:
-            try:
-                out = await stream.next()
-            except EngineDeadError as e:
-                yield _sse(error_body(str(e), "service_unavailable_error"))
-                break
-            timer.update(out)
-            if out is not None and out.outputs[0].finish_reason == "error":
-                yield _sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
-                                      "service_unavailable_error", code="engine_error"))
-                break
-            for chunk in chunker.update(out):
-                yield _sse(chunk)
-            if out is None or out.finished:
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        if not stream.finished:
-            state.metrics.aborted_disconnect.inc()
-        state.async_engine.release(stream)
+        if out is None or out.finished:
+            break
+    yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -425,8 +415,24 @@ class _GracefulServer:
         await self.server.serve()
 
 
-def run_server(engine: Any, *, host: str, port: int, options: ServerOptions, kv_publisher: KVEventPublisher | None,
-               shutdown_grace_period: float, log_level: str = "info") -> int:
+def run_server(args: Any) -> int:
+    """``pdserve serve``: build the engine (and KV event publisher) from the parsed flags and serve until signalled."""
+    from pdserve.runtime.cli import engine_options
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    publisher = None
+    if args.kv_events_port:
+        publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,
+                                     replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
+    options = ServerOptions(api_key=args.api_key, max_waiting=args.max_waiting, role=args.role)
+    return serve_engine(engine, host=args.host, port=args.port, options=options, kv_publisher=publisher,
+                        shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level)
+
+
+def serve_engine(engine: Any, *, host: str, port: int, options: ServerOptions,
+                 kv_publisher: KVEventPublisher | None, shutdown_grace_period: float, log_level: str = "info") -> int:
     """Serve ``engine`` until SIGTERM/SIGINT, then drain and return 0. Owns and shuts down the engine and publisher."""
     import uvicorn
 
