@@ -2,8 +2,9 @@
 
 - create / update (spec) / resume of an InferenceService, and a per-object timer: full sync (apply every child, prune
   what is no longer wanted), so a deleted or edited child comes back within one resync interval.
-- events of owned Deployments/Services: a DELETED child triggers a full sync of its owner at once; any other change
-  only refreshes the owner's status (status follows the children's readyReplicas).
+- events of owned Deployments/Services: a deleted child, or one whose spec changed (its generation moved, e.g. a hand
+  edit), triggers a full sync of its owner at once; any other change only refreshes the owner's status (status
+  follows the children's readyReplicas). Other kinds (ConfigMap, RBAC, Secret) are repaired by the timer.
 - an invalid spec (one the CRD schema let through) sets Ready=False with the reason, posts a Warning Event once per
   generation and raises ``kopf.PermanentError`` from create/update (no retry loop); running children are left alone.
 
@@ -34,7 +35,12 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
     if meta.get("deletionTimestamp"):
         return
     kube: Kube = memo.kube
-    async with memo.locks.setdefault((ns, name), asyncio.Lock()):
+    key = (ns, name)
+    async with memo.locks.setdefault(key, asyncio.Lock()):
+        # The body may predate our last status patch (handlers queue on the lock): trust what we last wrote.
+        last = memo.statuses.get(key)
+        if last is not None and last[0] == uid:
+            body = {**body, "status": last[1]}
         observed = await kube.observe(ns, name, uid)
         result = reconcile(body, observed)
         old_status = body.get("status") or {}
@@ -44,6 +50,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
                           or old_ready.get("message") != str(result.error))
             if first_time:
                 await kube.patch_status(ns, name, result.status)
+                memo.statuses[key] = (uid, {**old_status, **result.status})
                 kopf.warn(body, reason=result.error.reason, message=str(result.error))
                 logger.warning("invalid spec: %s (%s)", result.error, result.error.reason)
             if raise_invalid:
@@ -60,6 +67,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
             result = reconcile(body, await kube.observe(ns, name, uid))
         if any(old_status.get(k) != v for k, v in result.status.items()):
             await kube.patch_status(ns, name, result.status)
+            memo.statuses[key] = (uid, {**old_status, **result.status})
             logger.info("status: phase=%s %s", result.status["phase"],
                         " ".join(f"{k}={result.status[k]['ready']}" for k in ("prefill", "decode", "router")
                                  if k in result.status))
@@ -78,6 +86,13 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
         settings.networking.request_timeout = 60
         memo.kube = await Kube.connect()
         memo.locks = {}
+        memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
+        memo.generations = {}  # (kind, namespace, name) -> last seen metadata.generation of owned children
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # kopf only auto-detects the sync `kubernetes`/`pykube` clients; we use its own in-cluster/kubeconfig readers.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
@@ -88,6 +103,12 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
     @kopf.on.update(*ISVC, field="spec", registry=registry)
     async def changed(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         await sync(memo, dict(body), logger, repair=True, raise_invalid=True)
+
+    @kopf.on.delete(*ISVC, optional=True, registry=registry)  # optional: no finalizer; children go by GC
+    async def deleted(body: kopf.Body, memo: Any, **_: Any) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        memo.statuses.pop(key, None)
+        memo.locks.pop(key, None)
 
     @kopf.timer(*ISVC, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     async def resync(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
@@ -102,10 +123,19 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
                       if r.get("controller") and r.get("kind") == names.KIND), None)
         if owner is None:
             return
-        ns = body["metadata"]["namespace"]
-        parent = await memo.kube.get(names.KIND, ns, owner["name"])
+        meta = body["metadata"]
+        key = (body.get("kind"), meta["namespace"], meta["name"])
+        # Repair when the child is gone or its spec changed (generation moved); status-only changes just refresh.
+        if event["type"] == "DELETED":
+            memo.generations.pop(key, None)
+            repair = True
+        else:
+            previous = memo.generations.get(key)
+            memo.generations[key] = meta.get("generation")
+            repair = previous is not None and previous != meta.get("generation")
+        parent = await memo.kube.get(names.KIND, meta["namespace"], owner["name"])
         if parent is None or parent["metadata"]["uid"] != owner["uid"]:
             return
-        await sync(memo, parent, logger, repair=event["type"] == "DELETED")
+        await sync(memo, parent, logger, repair=repair)
 
     return registry

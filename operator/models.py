@@ -121,7 +121,8 @@ class InferenceServiceSpec(_Model):
     prefill: PoolSpec | None = Field(None, description="Omit for one pool of `both` pods (no disaggregation).")
     decode: PoolSpec = Field(default_factory=PoolSpec, json_schema_extra=_DEFAULT_EMPTY)
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
-    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec, json_schema_extra=_DEFAULT_EMPTY)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec,
+                                        json_schema_extra={"default": {"connector": "nixl"}})  # CEL checks defaults
 
 
 class Condition(_Model):

@@ -111,6 +111,7 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, observed: O
     for key, role, pool_spec in pools:
         cond_type = f"{key.capitalize()}Ready"
         if pool_spec is None:
+            status[key] = None  # merge patch: removes a stale pool status (e.g. after switching to monolithic)
             conds.append((cond_type, True, "NotDisaggregated", "no prefill pool: decode pods serve whole requests"))
             continue
         dep = observed.deployments.get(names.pool_name(name, role))

@@ -19,7 +19,7 @@ from tests.support.server import free_port
 
 CHART = REPO / "charts" / "pdserve"
 RELEASE, RELEASE_NS = "pdserve", "pdserve-system"
-RESYNC_SECONDS = 3
+RESYNC_SECONDS = 10
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,7 @@ class Cluster:
             "--service-account-issuer", "https://kubernetes.default.svc", "--api-audiences",
             "https://kubernetes.default.svc", "--service-account-key-file", str(d / "sa.pub"),
             "--service-account-signing-key-file", str(d / "sa.key"), "--service-cluster-ip-range", "10.96.0.0/16",
-            "--allow-privileged", "true", "--profiling=false", "--enable-priority-and-fairness=false", "--v", "1"])
+            "--allow-privileged=true", "--profiling=false", "--enable-priority-and-fairness=false", "--v", "1"])
         self.kubeconfig = write_kubeconfig(d / "admin.kubeconfig", self.server, d / "ca.crt", self.token)
         self.http = httpx.Client(base_url=self.server, verify=str(d / "ca.crt"), timeout=30,
                                  headers={"Authorization": f"Bearer {self.token}"})
