@@ -75,8 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="disaggregation role: prefill pods compute prompts and hand KV to decode pods")
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own)")
-    s.add_argument("--api-key", default=envs.api_key(),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (env PDSERVE_API_KEY)")
+    s.add_argument("--api-key", default=None,  # the env fallback is resolved at start so --help never prints it
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "(default: env PDSERVE_API_KEY, else no key)")
     s.add_argument("--max-waiting", type=int, default=None,
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
+from pdserve.runtime import envs
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
@@ -426,7 +427,7 @@ def run_server(args: Any) -> int:
     if args.kv_events_port:
         publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,
                                      replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
-    options = ServerOptions(api_key=args.api_key, max_waiting=args.max_waiting, role=args.role)
+    options = ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role)
     return serve_engine(engine, host=args.host, port=args.port, options=options, kv_publisher=publisher,
                         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level)
 
