@@ -76,7 +76,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
 def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:
     """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent)."""
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -89,35 +89,35 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
         memo.generations = {}  # (kind, namespace, name) -> last seen metadata.generation of owned children
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # kopf only auto-detects the sync `kubernetes`/`pykube` clients; we use its own in-cluster/kubeconfig readers.
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
         await memo.kube.close()
 
-    @kopf.on.resume(*ISVC, registry=registry)
-    @kopf.on.create(*ISVC, registry=registry)
-    @kopf.on.update(*ISVC, field="spec", registry=registry)
+    @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
+    @kopf.on.create(*ISVC, id="reconcile", registry=registry)
+    @kopf.on.update(*ISVC, id="reconcile", field="spec", registry=registry)
     async def changed(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         await sync(memo, dict(body), logger, repair=True, raise_invalid=True)
 
-    @kopf.on.delete(*ISVC, optional=True, registry=registry)  # optional: no finalizer; children go by GC
+    @kopf.on.delete(*ISVC, id="forget", optional=True, registry=registry)  # optional: no finalizer; children go by GC
     async def deleted(body: kopf.Body, memo: Any, **_: Any) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         memo.statuses.pop(key, None)
         memo.locks.pop(key, None)
 
-    @kopf.timer(*ISVC, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    @kopf.timer(*ISVC, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     async def resync(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         await sync(memo, dict(body), logger, repair=True)
 
     owned = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
 
-    @kopf.on.event("apps", "v1", "deployments", labels=owned, registry=registry)
-    @kopf.on.event("v1", "services", labels=owned, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", id="child", labels=owned, registry=registry)
+    @kopf.on.event("v1", "services", id="child", labels=owned, registry=registry)
     async def child_changed(event: kopf.RawEvent, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         owner = next((r for r in body.get("metadata", {}).get("ownerReferences", [])
                       if r.get("controller") and r.get("kind") == names.KIND), None)
