@@ -122,7 +122,7 @@ class RequestTimer:
 
     def update(self, out: Any) -> None:
         now = time.monotonic()
-        n = len(out.outputs[0].token_ids) if out is not None else self.num_tokens
+        n = sum(len(c.token_ids) for c in out.outputs) if out is not None else self.num_tokens
         if n > self.num_tokens:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.arrival)
@@ -133,7 +133,8 @@ class RequestTimer:
             self.last, self.num_tokens = now, n
         if out is None or out.finished:
             self.metrics.e2e.observe(now - self.arrival)
-            self.metrics.request_finished(out.outputs[0].finish_reason if out is not None else "abort")
+            reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
+            self.metrics.request_finished(reason or "abort")
 
 
 def parse_samples(text: str) -> dict[str, float]:

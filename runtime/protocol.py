@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions per request (the engine fans them out sharing the prompt's blocks)
 
 
 class ApiError(Exception):
@@ -73,8 +74,8 @@ class _SamplingFields(_Request):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
         return v
 
     @field_validator("temperature")

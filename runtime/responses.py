@@ -24,22 +24,25 @@ class ResponseBuilder:
 
     # ---- whole responses ----
     def full(self, kind: str, req: Any, resp_id: str, prompt_ids: list[int], out: RequestOutput | None) -> dict:
-        comp = out.outputs[0] if out is not None else CompletionOutput(0, "", [])
-        finish = comp.finish_reason or "abort"  # not finished: the server aborted it (shutdown)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
-                      "logprobs": self._chat_logprobs(comp, 0, req) if req.logprobs else None,
-                      "finish_reason": finish, "stop_reason": comp.stop_reason}
-        else:
-            choice = {"index": 0, "text": comp.text,
-                      "logprobs": self._completion_logprobs(comp, 0, 0, req) if req.logprobs is not None else None,
-                      "finish_reason": finish, "stop_reason": comp.stop_reason}
-        return {**self._head(kind, resp_id, chunk=False), "choices": [choice],
-                "usage": self.usage(prompt_ids, comp, out),
+        """The whole response; a completion the server aborted (shutdown) gets ``finish_reason="abort"``."""
+        comps = completions(out, req.n)
+        choices = []
+        for c in comps:
+            finish = c.finish_reason or "abort"
+            if kind == "chat":
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": self._chat_logprobs(c, 0, req) if req.logprobs else None,
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
+            else:
+                lps = self._completion_logprobs(c, 0, 0, req) if req.logprobs is not None else None
+                choices.append({"index": c.index, "text": c.text, "logprobs": lps, "finish_reason": finish,
+                                "stop_reason": c.stop_reason})
+        return {**self._head(kind, resp_id, chunk=False), "choices": choices,
+                "usage": self.usage(prompt_ids, comps, out),
                 "kv_transfer_params": out.kv_transfer_params if out is not None else None}
 
-    def usage(self, prompt_ids: list[int], comp: CompletionOutput, out: RequestOutput | None) -> dict:
-        n_prompt, n_gen = len(prompt_ids), len(comp.token_ids)
+    def usage(self, prompt_ids: list[int], comps: list[CompletionOutput], out: RequestOutput | None) -> dict:
+        n_prompt, n_gen = len(prompt_ids), sum(len(c.token_ids) for c in comps)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens if out is not None else 0}}
 
@@ -89,14 +92,22 @@ class ResponseBuilder:
         return Chunker(self, kind, req, resp_id, prompt_ids)
 
 
+def completions(out: RequestOutput | None, n: int) -> list[CompletionOutput]:
+    """All ``n`` completions of ``out`` by index (an empty one for an index with no output yet)."""
+    by_index = {c.index: c for c in (out.outputs if out is not None else [])}
+    return [by_index.get(i) or CompletionOutput(i, "", []) for i in range(n)]
+
+
 class Chunker:
-    """Turns successive cumulative outputs of one request into stream chunks (dicts, one per SSE event)."""
+    """Turns successive cumulative outputs of one request into stream chunks (dicts, one per SSE event); each of the
+    ``n`` choices is tracked on its own and gets exactly one chunk carrying its ``finish_reason``."""
 
     def __init__(self, builder: ResponseBuilder, kind: str, req: Any, resp_id: str, prompt_ids: list[int]):
         self.b, self.kind, self.req, self.resp_id, self.prompt_ids = builder, kind, req, resp_id, prompt_ids
         self.with_usage = req.wants_usage_chunk()
-        self.sent_tokens = 0
-        self.sent_text = 0
+        self.sent_tokens = [0] * req.n
+        self.sent_text = [0] * req.n
+        self.done = [False] * req.n
         self.last: RequestOutput | None = None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
@@ -108,37 +119,41 @@ class Chunker:
     def start(self) -> list[dict]:
         if self.kind != "chat":
             return []
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.req.n)]
 
     def update(self, out: RequestOutput | None) -> list[dict]:
-        """Chunks for what ``out`` adds; ``None`` means the server aborted the request."""
-        if out is None:  # keep what was generated, mark it aborted
-            prev = self.last.outputs[0] if self.last is not None else CompletionOutput(0, "", [])
-            comp = CompletionOutput(0, prev.text, prev.token_ids, finish_reason="abort", logprobs=prev.logprobs)
-            out = self.last
-        else:
-            comp = out.outputs[0]
-            self.last = out
-        finish = comp.finish_reason
-        delta_text = comp.text[self.sent_text:]
-        new_tokens = len(comp.token_ids) - self.sent_tokens
+        """Chunks for what ``out`` adds; ``None`` means the server aborted the request (unfinished choices end with
+        ``finish_reason="abort"``)."""
+        aborted = out is None
+        out = self.last if aborted else out
+        self.last = out
+        comps = completions(out, self.req.n)
+        chunks = [c for comp in comps if not self.done[comp.index] for c in self._choice_chunks(comp, aborted)]
+        if all(self.done) and self.with_usage:
+            chunks.append(self._chunk([], self.b.usage(self.prompt_ids, comps, out), last=True))
+        return chunks
+
+    def _choice_chunks(self, comp: CompletionOutput, aborted: bool) -> list[dict]:
+        i = comp.index
+        finish = comp.finish_reason or ("abort" if aborted else None)
+        delta_text = comp.text[self.sent_text[i]:]
+        new_tokens = len(comp.token_ids) - self.sent_tokens[i]
         chunks = []
         if delta_text or (new_tokens > 0 and comp.logprobs is not None) or (finish and self.kind != "chat"):
             if self.kind == "chat":
-                lps = self.b._chat_logprobs(comp, self.sent_tokens, self.req) if self.req.logprobs else None
-                chunks.append(self._chunk([{"index": 0, "delta": {"content": delta_text}, "logprobs": lps,
+                lps = self.b._chat_logprobs(comp, self.sent_tokens[i], self.req) if self.req.logprobs else None
+                chunks.append(self._chunk([{"index": i, "delta": {"content": delta_text}, "logprobs": lps,
                                             "finish_reason": None}]))
             else:
-                lps = (self.b._completion_logprobs(comp, self.sent_tokens, self.sent_text, self.req)
+                lps = (self.b._completion_logprobs(comp, self.sent_tokens[i], self.sent_text[i], self.req)
                        if self.req.logprobs is not None else None)
-                chunks.append(self._chunk([{"index": 0, "text": delta_text, "logprobs": lps,
+                chunks.append(self._chunk([{"index": i, "text": delta_text, "logprobs": lps,
                                             "finish_reason": finish, "stop_reason": comp.stop_reason}]))
-        self.sent_text = max(self.sent_text, len(comp.text))
-        self.sent_tokens = len(comp.token_ids)
+        self.sent_text[i] = max(self.sent_text[i], len(comp.text))
+        self.sent_tokens[i] = len(comp.token_ids)
         if finish and self.kind == "chat":
-            chunks.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
+            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish,
                                         "stop_reason": comp.stop_reason}]))
-        if finish and self.with_usage:
-            chunks.append(self._chunk([], self.b.usage(self.prompt_ids, comp, out), last=True))
+        self.done[i] = finish is not None
         return chunks

@@ -233,7 +233,7 @@ def _sampling_params(state: _State, req: Any, prompt_ids: list[int], max_tokens:
     fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                             "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids")}
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
                               skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               **{k: v for k, v in fields.items() if v is not None})
@@ -277,7 +277,7 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
         final = await _await_final(request, state, stream, timer)
     finally:
         ae.release(stream)
-    if final is not None and final.outputs[0].finish_reason == "error":
+    if final is not None and any(c.finish_reason == "error" for c in final.outputs):
         raise ApiError(503, f"request failed in the engine: {final.error or 'unknown error'}",
                        code="engine_error", headers={"Retry-After": RETRY_AFTER_S})
     body = builder.full(kind, req, resp_id, prompt_ids, final)
@@ -348,7 +348,7 @@ async def _stream_events(builder: ResponseBuilder, kind: str, req: Any, resp_id:
             yield _sse(error_body(str(e), "service_unavailable_error"))
             break
         timer.update(out)
-        if out is not None and out.outputs[0].finish_reason == "error":
+        if out is not None and any(c.finish_reason == "error" for c in out.outputs):
             yield _sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
                                   "service_unavailable_error", code="engine_error"))
             break

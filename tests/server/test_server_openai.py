@@ -122,6 +122,20 @@ def test_completion_stream(client):
     assert text == full.choices[0].text
 
 
+def test_n_choices(client):
+    r = client.completions.create(model=MODEL, prompt="My favourite fruit is", max_tokens=4, n=3, temperature=1.0,
+                                  seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, n=2, stream=True, temperature=1.0,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    finishes = sorted((c.choices[0].index, c.choices[0].finish_reason) for c in chunks
+                      if c.choices and c.choices[0].finish_reason)
+    assert finishes == [(0, "length"), (1, "length")] and chunks[-1].usage.completion_tokens == 6
+
+
 def test_sse_wire_format_ends_with_done(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": "Hello", "max_tokens": 3, "stream": True}) as r:
@@ -172,7 +186,7 @@ MSGS = [{"role": "user", "content": "Hi"}]
     (COMPL, {"prompt": "x", "temperature": -0.5}, "temperature"),
     (COMPL, {"prompt": "x", "top_p": 0}, "top_p"),
     (CHAT, {"messages": MSGS, "top_p": 1.5}, "top_p"),
-    (COMPL, {"prompt": "x", "n": 2}, "n"),
+    (COMPL, {"prompt": "x", "n": 17}, "n"),
     (COMPL, {"prompt": "x", "n": 0}, "n"),
     (COMPL, {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     (COMPL, {"prompt": [99999999]}, "prompt"),                                    # token id outside the vocab
