@@ -1,7 +1,7 @@
 """Prompt token ids as the pod will see them: the chat template rendered and tokenized with the model's tokenizer.
 
-Mirrors the runtime's rules (``runtime/protocol.py``): completions take a string (tokenized with special tokens) or
-token ids, and a one-element batch; chat renders ``messages`` (text parts joined) with ``add_generation_prompt``.
+Mirrors the runtime's rules (``runtime/server.py``): completions take a string (tokenized without adding special
+tokens) or token ids, and a one-element batch; chat renders ``messages`` (text parts joined) with ``add_generation_prompt``.
 The tokenizer is loaded with ``transformers.PreTrainedTokenizerFast`` (``AutoTokenizer`` imports torch in
 transformers 5; this class does not), so the router stays torch-free. The default model's directory is resolved by ``pdserve.runtime.model_loader`` in a short-lived
 subprocess, because that module imports torch.
@@ -58,7 +58,7 @@ class PromptTokenizer:
                 return None
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in msgs]
             ids = self.tok.apply_chat_template(msgs, add_generation_prompt=body.get("add_generation_prompt", True),
-                                               tokenize=True)
+                                               tokenize=True, return_dict=False)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             return list(ids)
@@ -66,7 +66,7 @@ class PromptTokenizer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return self.tok.encode(prompt, add_special_tokens=True)
+            return self.tok.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
