@@ -67,6 +67,9 @@ class ConnectorStats:
         self.name = name
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter({f"kv_load_failures{{kind={k}}}": 0 for k in FAILURE_KINDS})
+        for key in ("kv_blocks_loaded", "kv_bytes_loaded", "kv_blocks_load_failed", "kv_blocks_saved",
+                    "kv_bytes_saved", "kv_saves_skipped"):
+            self._counts[key] = 0
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:

@@ -17,7 +17,12 @@ Finally each block's checksum is re-checked (``verify_checksums``, default on fo
 
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host), ``token`` (else
 PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s`` (10), ``verify_checksums``,
-``backends`` (["UCX"]), ``engine_id``.
+``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001), ``progress_grace_s`` (10).
+
+CPU: NIXL's own progress thread spins a core, which starves the model's forward pass on small hosts, so agents run
+without it: the decode side progresses its READs while polling them, and the prefill side runs a light progress loop
+(``get_new_notifs`` every ``progress_interval_s``) only while it holds leases (and a grace period after), i.e. only
+while a reader may come.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class LeaseTable:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._leases: dict[str, Lease] = {}
         self.num_expired = 0
 
@@ -67,7 +73,13 @@ class LeaseTable:
         lease_id = secrets.token_hex(16)
         with self._lock:
             self._leases[lease_id] = Lease(request_id, block_ids, time.monotonic() + self.lease_s)
+            self._changed.notify_all()
         return lease_id
+
+    def wait_active(self, timeout: float) -> bool:
+        """Block until some lease is held (True) or ``timeout`` passes (False)."""
+        with self._lock:
+            return self._changed.wait_for(lambda: bool(self._leases), timeout)
 
     def _live(self, lease_id: str) -> Lease | None:
         lease = self._leases.get(lease_id)
@@ -134,8 +146,11 @@ class NixlConnector(LoadingConnector):
         self.handshake_timeout_s = float(config.get("handshake_timeout_s", 5.0))
         self.verify_checksums = config.get("verify_checksums")
         self.backends = list(config.get("backends", ["UCX"]))
+        self.progress_interval_s = float(config.get("progress_interval_s", 0.001))
+        self.progress_grace_s = float(config.get("progress_grace_s", 10.0))
         self.agent: Any = None
         self.server: side_channel.SideChannelServer | None = None
+        self._closing = threading.Event()
         self._peers: dict[tuple[str, int], Peer] = {}
 
     # ---- registration ----------------------------------------------------------------------------------------------
@@ -145,7 +160,7 @@ class NixlConnector(LoadingConnector):
         if self.verify_checksums is None:
             self.verify_checksums = kv_cache.device.type == "cpu"
         self.agent = nixl_agent(self.engine_id, nixl_agent_config(
-            backends=self.backends, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+            backends=self.backends, enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._reg = self.agent.register_memory(kv_cache)
         self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.device_id = kv_cache.device.index or 0
@@ -157,7 +172,25 @@ class NixlConnector(LoadingConnector):
                 self.host, self.port, self.token, self._handle, timeout=self.handshake_timeout_s,
                 on_auth_failure=lambda: self.stats.add("kv_side_channel_auth_failures"))
             self.port = self.server.port
+            threading.Thread(target=self._progress_loop, name="pdserve-nixl-progress", daemon=True).start()
             logger.info("nixl: engine %s serves KV on %s:%d", self.engine_id, self.host, self.port)
+
+    def _progress_loop(self) -> None:
+        # The READ target must progress its UCX worker (connection wire-up, active messages on TCP).
+        # It keeps going for ``progress_grace_s`` after the last lease, so a late reader gets its answer
+        # (lease_expired) at once instead of a READ timeout.
+        idle_since: float | None = None
+        while not self._closing.is_set():
+            now = time.monotonic()
+            if len(self.leases):
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since > self.progress_grace_s:
+                self.leases.wait_active(0.5)
+                continue
+            self.agent.get_new_notifs()
+            time.sleep(self.progress_interval_s)
 
     def _block_descs(self, base: int, num_blocks: int, device_id: int) -> list[tuple[int, int, int]]:
         return [(base + i * self.block_nbytes, self.block_nbytes, device_id) for i in range(num_blocks)]
@@ -303,6 +336,7 @@ class NixlConnector(LoadingConnector):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self._closing.set()
         if self.server:
             self.server.close()
             self.server = None

@@ -105,6 +105,7 @@ class StoreConnector(LoadingConnector):
                 self._write_block(job, block_id, block)
             except KVLoadError as e:
                 errors[block_id] = e
+        self._remember([h for _, b, h in job.blocks if b not in errors])   # in the store already: never re-save
         return errors
 
     # ---- saving --------------------------------------------------------------------------------------------------
@@ -174,14 +175,17 @@ class StoreConnector(LoadingConnector):
             self.stats.add("kv_saves_skipped", len(items))
             self._mark_down(e, f"save of request {request_id}")
             return
+        self._remember(hashes)
+        self.stats.add("kv_blocks_saved", len(items))
+        self.stats.add("kv_bytes_saved", len(items) * self.spec.block_bytes)
+
+    def _remember(self, hashes: list[bytes]) -> None:
         with self._known_lock:
             for h in hashes:
                 self._known[h] = None
                 self._known.move_to_end(h)
             while len(self._known) > self._known_cap:
                 self._known.popitem(last=False)
-        self.stats.add("kv_blocks_saved", len(items))
-        self.stats.add("kv_bytes_saved", len(items) * self.spec.block_bytes)
 
     def _mark_down(self, error: Exception, what: str) -> None:
         self._store_down_until = time.monotonic() + self.retry_after_s

@@ -1,0 +1,214 @@
+"""Prefill -> decode through each real connector on the default model, in one process: greedy output equals the
+monolithic engine's token for token (a batch of varied prompts, one with its prefix already cached on the decode
+side), and injected faults end in the right output (policy recompute) or a clean error (policy fail) with the
+failure counted. Engines are built once per connector (module scope) with a small KV pool."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import redis
+
+from pdserve.runtime.llm import LLM
+from pdserve.runtime.sampling_params import SamplingParams
+from tests.support.redis import redis_server
+from tests.support.server import free_port
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 5
+BLOCKS = 96
+TEXTS = {
+    "tiny": "Hello there, how are you?",
+    "story": "Once upon a time in a small village by the sea, there lived an old fisherman who told stories "
+             "about the storms he had seen and the strange lights that danced over the water at night.",
+    "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+            "# Explain what this function computes and how fast it runs.",
+    "list": "Shopping list: apples, bananas, carrots, dates, eggs, flour, grapes, honey, ice cream, jam, kale, "
+            "lemons, mangoes, nuts, oranges, pears, quinoa, rice, spinach, tomatoes.",
+    "warm": "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+            "Constantinople, and historians still debate",
+}
+TEXTS["shared"] = TEXTS["warm"] + " which emperor did the most to shape the laws that Europe inherited."
+FAULTS = ["delete", "corrupt", "fingerprint", "kill_redis", "lease_expired", "unreachable", "fail_policy"]
+for i, f in enumerate(FAULTS):
+    TEXTS[f] = f"Case {i} ({f}): " + TEXTS["story"]
+PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
+
+
+def _greedy(n=MAX_TOKENS):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def _run(engine, reqs, timeout=300.0):
+    """reqs: [(request id, token ids, max_tokens, kv_transfer_params)] -> {id: RequestOutput}, stepping until all
+    finished (not until held blocks are released: a prefill keeps leases for its decode peer)."""
+    for rid, toks, n, params in reqs:
+        engine.add_request(rid, toks, _greedy(n), kv_transfer_params=params)
+    done, deadline = {}, time.monotonic() + timeout
+    while len(done) < len(reqs):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        assert time.monotonic() < deadline, f"requests not finished after {timeout}s"
+    return done
+
+
+def _pump(engine, seconds=0.2):
+    """Step an idle engine briefly so its connector releases blocks whose transfer ended."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        engine.step()
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(num_gpu_blocks=BLOCKS)
+    tok = llm.tokenizer
+    prompts = {k: tok.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
+    outs = _run(llm.engine, [(k, p, MAX_TOKENS, None) for k, p in prompts.items()])
+    expected = {k: o.outputs[0].token_ids for k, o in outs.items()}
+    llm.shutdown()
+    return prompts, expected
+
+
+class Pair:
+    def __init__(self, name, cfg, prefill_extra=None, server=None):
+        self.name, self.server = name, server
+        self.prefill = LLM(num_gpu_blocks=BLOCKS, kv_connector=name, kv_role="prefill",
+                           kv_connector_config={**cfg, **(prefill_extra or {})})
+        self.decode = LLM(num_gpu_blocks=BLOCKS, kv_connector=name, kv_role="decode", kv_connector_config=cfg)
+        self.n = 0
+
+    def handoff(self, prompts: dict[str, list[int]]) -> dict[str, dict]:
+        outs = _run(self.prefill.engine, [(k, p, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+                                          for k, p in prompts.items()])
+        for o in outs.values():
+            assert o.error is None and o.kv_transfer_params["do_remote_prefill"] is True
+        return {k: o.kv_transfer_params for k, o in outs.items()}
+
+    def decode_run(self, prompts, params):
+        self.n += 1
+        outs = _run(self.decode.engine, [(f"{k}-{self.n}", prompts[k], MAX_TOKENS, params.get(k)) for k in prompts])
+        _pump(self.prefill.engine)
+        return {k: outs[f"{k}-{self.n}"] for k in prompts}
+
+    def metrics(self):
+        return self.decode.engine.connector.metrics()
+
+    def close(self):
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+
+@pytest.fixture(scope="module", params=["disk", "redis", "nixl"])
+def pair(request, reference, tmp_path_factory):
+    if request.param == "disk":
+        p = Pair("disk", {"path": str(tmp_path_factory.mktemp("kvdisk"))})
+        yield p
+        p.close()
+    elif request.param == "redis":
+        with redis_server(password="pd-secret") as r:
+            p = Pair("redis", {"url": r.url, "socket_timeout_s": 1, "connect_timeout_s": 0.5}, server=r)
+            yield p
+            p.close()
+    else:
+        p = Pair("nixl", {"token": "pd-secret", "handshake_timeout_s": 2, "load_timeout_s": 10})
+        yield p
+        p.close()
+
+
+def test_pd_greedy_matches_monolithic(pair, reference):
+    prompts, expected = reference
+    warm = pair.decode_run({"warm": prompts["warm"]}, {})        # the decode side computes "warm" itself
+    assert warm["warm"].outputs[0].token_ids == expected["warm"]
+    before = pair.metrics()
+    batch = {k: prompts[k] for k in PD_PROMPTS}
+    params = pair.handoff(batch)
+    for k in PD_PROMPTS:
+        assert len(params[k]["remote_block_ids"]) == len(prompts[k]) // 16
+    outs = pair.decode_run(batch, params)
+    for k in PD_PROMPTS:
+        assert outs[k].error is None and outs[k].outputs[0].token_ids == expected[k], k
+        assert outs[k].num_cached_tokens == (len(prompts[k]) - 1) // 16 * 16
+    local_hits = len(prompts["warm"]) // 16
+    want = sum((len(prompts[k]) - 1) // 16 for k in PD_PROMPTS) - local_hits
+    assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == want
+    assert pair.decode.engine.get_stats().kv_load_failures == 0
+
+
+def _inject(pair, fault, params, prompts):
+    p = dict(params)
+    h = p["block_hashes"][1]
+    if fault == "fingerprint":
+        p["fingerprint"] = "0" * 32
+    elif fault == "unreachable":
+        p["remote_port"] = free_port()
+    elif fault == "kill_redis":
+        pair.server.kill()
+    elif pair.name == "disk":
+        path = next(pair.prefill.engine.connector.store.root.glob(f"*/{h}.kvb"))
+        if fault == "delete":
+            path.unlink()
+        else:
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(bytes(data))
+    elif pair.name == "redis" and fault == "corrupt":
+        client = redis.Redis.from_url(pair.server.url)
+        client.setrange(pair.prefill.engine.connector.store.key(bytes.fromhex(h)), 1000, b"\x00\x01\x02")
+    return p
+
+
+CASES = {"disk": ["delete", "corrupt", "fingerprint"], "redis": ["kill_redis", "corrupt", "fingerprint"],
+         "nixl": ["lease_expired", "unreachable", "fingerprint"]}
+KIND = {"delete": "missing", "corrupt": "corrupt", "fingerprint": "fingerprint", "kill_redis": "peer_unreachable",
+        "lease_expired": "lease_expired", "unreachable": "peer_unreachable"}
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_fault_recomputes_to_the_same_output(pair, reference, case):
+    fault = CASES[pair.name][case]
+    prompts, expected = reference
+    prompt = {fault: prompts[fault]}
+    leases = getattr(pair.prefill.engine.connector, "leases", None)
+    if fault == "lease_expired":
+        leases.lease_s = 0.2
+    try:
+        params = pair.handoff(prompt)[fault]
+        if fault == "lease_expired":
+            _pump(pair.prefill.engine, 0.5)            # the lease ends; the prefill engine frees (and may reuse) them
+        before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+        params = _inject(pair, fault, params, prompts)
+        t0 = time.monotonic()
+        out = pair.decode_run(prompt, {fault: params})[fault]
+        assert time.monotonic() - t0 < 120
+    finally:
+        if leases is not None:
+            leases.lease_s = 30.0
+        if fault == "kill_redis":
+            pair.server.start()
+    assert out.error is None and out.outputs[0].token_ids == expected[fault]
+    key = f"kv_load_failures{{kind={KIND[fault]}}}"
+    assert pair.metrics()[key] - before[key] == 1
+    stats = pair.decode.engine.get_stats()
+    assert stats.kv_load_failures - stats0.kv_load_failures == 1
+    first_bad = 1 if fault in ("delete", "corrupt") else 0
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == (len(prompts[fault]) - 1) // 16 * 16 - first_bad * 16
+
+
+def test_fail_policy_ends_with_a_clean_error(pair, reference):
+    prompts, _ = reference
+    prompt = {"fail_policy": prompts["fail_policy"]}
+    params = pair.handoff(prompt)["fail_policy"]
+    sched = pair.decode.engine.scheduler
+    sched.load_failure_policy = "fail"      # the policy is an engine option; flipped here to reuse the loaded model
+    try:
+        out = pair.decode_run(prompt, {"fail_policy": {**params, "fingerprint": "0" * 32}})["fail_policy"]
+    finally:
+        sched.load_failure_policy = "recompute"
+    assert out.finished and out.outputs[0].finish_reason == "error" and out.error and "KV load failed" in out.error
+    assert out.outputs[0].token_ids == []
