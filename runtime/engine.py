@@ -117,6 +117,10 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate within the context "
                              f"length ({self.max_model_len} tokens)")
+        need = -(-(len(token_ids) + max_tokens) // self.config.cache.block_size)
+        if need > self.scheduler.kv.num_blocks:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, "
+                             f"more than the whole cache ({self.scheduler.kv.num_blocks} blocks)")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
             raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds max_num_batched_tokens "

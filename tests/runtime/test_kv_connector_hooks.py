@@ -184,47 +184,62 @@ def handoff(producer, reference):
     return params
 
 
-def test_sync_load_then_producer_frees(store, producer, reference, handoff):
-    consumer = engine(store, role="decode")
+@pytest.fixture(scope="module")
+def consumer(store):
+    e = engine(store, role="decode")
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture
+def fresh(consumer):
+    """Reconfigure the shared consumer for one test: no prefix cache left from earlier tests, counters as deltas."""
+    def configure(async_polls=0, corrupt=(), policy="recompute"):
+        assert consumer.reset_prefix_cache()
+        consumer.connector.async_polls, consumer.connector.corrupt = async_polls, set(corrupt)
+        consumer.scheduler.load_failure_policy = policy
+        return consumer.get_stats()
+    return configure
+
+
+def test_sync_load_then_producer_frees(consumer, fresh, producer, reference, handoff):
+    before = fresh()
     n_prompt = len(consumer.tokenizer.encode(PROMPT, add_special_tokens=False))
     out = run(consumer, "d1", PROMPT, kv_transfer_params=handoff, cache_salt="pd")
     assert out.outputs[0].token_ids == reference
     loaded = (n_prompt - 1) // BS * BS
     assert out.num_cached_tokens == loaded and consumer.connector.num_loaded_blocks == loaded // BS
-    assert consumer.get_stats().prompt_tokens == n_prompt - loaded                # only the rest was computed
-    held = producer.get_stats().kv_cache_usage
-    assert held > 0 and producer.has_unfinished_requests()
+    assert consumer.get_stats().prompt_tokens - before.prompt_tokens == n_prompt - loaded   # only the rest computed
+    assert producer.get_stats().kv_cache_usage > 0 and producer.has_unfinished_requests()
     producer.step()                                                               # polls get_finished(): sent
     assert producer.get_stats().kv_cache_usage == 0 and "p1" not in producer.scheduler.sending
-    consumer.shutdown()
 
 
 @pytest.mark.parametrize("async_polls", [0, 2])
-def test_corrupt_load_recomputes_from_first_bad_block(store, reference, handoff, async_polls):
-    consumer = engine(store, role="decode", async_polls=async_polls, corrupt=[1])
+def test_corrupt_load_recomputes_from_first_bad_block(consumer, fresh, reference, handoff, async_polls):
+    before = fresh(async_polls=async_polls, corrupt=[1])
     n_prompt = len(consumer.tokenizer.encode(PROMPT, add_special_tokens=False))
     loaded = (n_prompt - 1) // BS * BS
     consumer.add_request("d", PROMPT, GREEDY, kv_transfer_params=handoff, cache_salt="pd")
     if async_polls:
         consumer.step()
         assert consumer.scheduler.requests["d"].status.name == "WAITING_FOR_REMOTE_KVS"
-        run(consumer, "local", PROMPT, cache_salt="pd")                 # same prompt meanwhile: never hits in-flight
-        assert consumer.get_stats().prefix_cache_hits == 0
+        run(consumer, "local", PROMPT, SamplingParams(temperature=0.0, max_tokens=1), cache_salt="pd")
+        assert consumer.get_stats().prefix_cache_hits == before.prefix_cache_hits   # in-flight blocks never hit
     out = None
     while out is None or not out.finished:
         out = next((o for o in consumer.step() if o.request_id == "d"), out)
     stats = consumer.get_stats()
     assert out.outputs[0].token_ids == reference                        # garbage KV was never used for output
-    assert stats.kv_load_failures == 1 and stats.recomputed_tokens == loaded - BS
-    assert out.metrics.num_recomputed_tokens == loaded - BS
-    consumer.shutdown()
+    assert stats.kv_load_failures - before.kv_load_failures == 1
+    assert stats.recomputed_tokens - before.recomputed_tokens == loaded - BS == out.metrics.num_recomputed_tokens
 
 
-def test_fail_policy_finishes_with_error_and_never_caches_bad_blocks(store, reference, handoff):
-    consumer = engine(store, role="decode", policy="fail", async_polls=1, corrupt=[1])
+def test_fail_policy_finishes_with_error_and_never_caches_bad_blocks(consumer, fresh, reference, handoff):
+    before = fresh(async_polls=1, corrupt=[1], policy="fail")
     out = run(consumer, "d", PROMPT, kv_transfer_params=handoff, cache_salt="pd")
     assert out.finished and out.outputs[0].finish_reason == "error" and "KV load failed" in out.error
-    assert consumer.get_stats().kv_load_failures == 1 and consumer.get_stats().kv_cache_usage == 0
+    assert consumer.get_stats().kv_load_failures - before.kv_load_failures == 1
+    assert consumer.get_stats().kv_cache_usage == 0
     again = run(consumer, "again", PROMPT, cache_salt="pd")             # local compute, no bad block reused
     assert again.outputs[0].token_ids == reference and again.num_cached_tokens == 0
-    consumer.shutdown()
