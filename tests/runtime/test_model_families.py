@@ -26,11 +26,14 @@ FAMILIES = {
     "llama-linear": (transformers.LlamaConfig, dict(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, attention_bias=True,
         num_key_value_heads=1)),
+    # dynamic NTK equals plain RoPE within max_position_embeddings, in HF and here (max_model_len = 256)
+    "llama-dynamic": (transformers.LlamaConfig, dict(
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=16)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
 }
-ARCH = {"llama3": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+ARCH = {"llama3": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "llama-dynamic": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -114,3 +117,18 @@ def test_sliding_window_beyond_max_model_len_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sliding-window"):
         LlamaArgs.from_hf(config, max_model_len=128)
     assert LlamaArgs.from_hf(config, max_model_len=64).num_layers == 2
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama-linear", "llama-dynamic"])
+def test_rope_frequencies_match_hf(family):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pdserve.runtime.models.llama import LlamaArgs, rope_inv_freq
+
+    config_cls, extra = FAMILIES[family]
+    config = config_cls(**{**TINY, **extra})
+    rope_type = config.rope_parameters["rope_type"]
+    # 512 > max_position_embeddings: dynamic NTK is fixed at max_model_len (HF's value at that length)
+    want, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=512)
+    assert scaling == 1.0
+    torch.testing.assert_close(rope_inv_freq(LlamaArgs.from_hf(config, 512), 512), want)
