@@ -103,6 +103,10 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device)
     max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if max_model_len > hf_config.max_position_embeddings and rope.get("rope_type") != "dynamic":
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{hf_config.max_position_embeddings}")
     model = build_model(path, hf_config, device, dtype, select_backend(attention_backend, device, dtype),
                         max_model_len)
     tokenizer = load_tokenizer(model_config.tokenizer or path)

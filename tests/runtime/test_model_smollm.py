@@ -35,6 +35,11 @@ def test_loaded_model_describes_itself(loaded):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_max_model_len_beyond_the_model_is_refused():
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 8192"):
+        load_model(ModelConfig(max_model_len=10000), torch.device("cpu"), "torch")
+
+
 def test_chunked_prefill_and_decode_match_hf(loaded, hf_model):
     tok, model = loaded.tokenizer, loaded.model
     prompts = [
