@@ -104,6 +104,22 @@ def _check_runnable(device: torch.device) -> None:
                            "triton is first imported (or use the 'torch' backend on CPU)")
 
 
+def kernel_constants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, max_query_len: int,
+                     dtype: torch.dtype, device_type: str, block_n: int | None = None, block_m: int = 64) -> dict:
+    """The kernel's compile-time constants for one launch shape (also used to compile it ahead of time in tests)."""
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, min(triton.next_power_of_2(max_query_len), block_m // group_pad))
+    # tl.dot needs >= 16 rows: decode tiles are padded with masked rows (decode is memory bound; they are nearly free)
+    block_q = max(block_q, 16 // group_pad)
+    return dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n or (16 if device_type == "cpu" else 64),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_F32=device_type == "cpu" and dtype == torch.bfloat16,
+    )
+
+
 def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, block_n: int | None = None, block_m: int = 64,
@@ -123,14 +139,9 @@ def paged_attention(
     assert out.shape == q.shape
     if T == 0:
         return out
-    group = H // Hkv
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(1, min(triton.next_power_of_2(meta.max_query_len), block_m // group_pad))
-    # tl.dot needs >= 16 rows: decode tiles are padded with masked rows (decode is memory bound; they are nearly free)
-    block_q = max(block_q, 16 // group_pad)
-    block_n = block_n or (16 if q.device.type == "cpu" else 64)
+    consts = kernel_constants(H, Hkv, D, block_size, meta.max_query_len, q.dtype, q.device.type, block_n, block_m)
     k, v = kv_layer[:, 0], kv_layer[:, 1]                 # (num_blocks, block_size, Hkv, D) strided views
-    grid = (S, triton.cdiv(meta.max_query_len, block_q), Hkv)
+    grid = (S, triton.cdiv(meta.max_query_len, consts["BLOCK_Q"]), Hkv)
     _check_runnable(q.device)
     _kernel[grid](
         q, k, v, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -140,10 +151,7 @@ def paged_attention(
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        **consts,
     )
     return out
 
