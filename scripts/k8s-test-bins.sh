@@ -5,9 +5,9 @@
 #   scripts/k8s-test-bins.sh --print    # print the bin dir only (no build)
 #
 # Output: ${PDSERVE_CACHE_DIR:-~/.cache/pdserve}/k8s-bin/<k8s version>/ with
-#   kube-apiserver, kube-controller-manager (k8s.io/kubernetes, built through the small module in
-#   scripts/k8s-bins because `go install k8s.io/kubernetes/...@v` fails on its staging replaces),
-#   kwok (simulated nodes/pods), helm, and kubectl when none is on PATH.
+#   kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (k8s.io/kubernetes, built through the small
+#   module in scripts/k8s-bins because `go install k8s.io/kubernetes/...@v` fails on its staging replaces; kubectl is
+#   built too so the tests never depend on whatever kubectl a machine has), kwok (simulated nodes/pods) and helm.
 # etcd comes from Debian (`etcd-server`); the script installs it with apt when missing and possible.
 # Idempotent: a binary that exists is not rebuilt, so a cached run takes well under a second.
 set -euo pipefail
@@ -26,6 +26,14 @@ log() { echo "[k8s-test-bins] $*" >&2; }
 export GOFLAGS="-trimpath -buildvcs=false"
 export CGO_ENABLED=0
 LDFLAGS="-s -w"
+# What hack/lib/version.sh stamps: without it the binaries report v0.0.0-master and helm's kubeVersion checks fail.
+KUBE_LDFLAGS="$LDFLAGS"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
+  KUBE_LDFLAGS+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+  KUBE_LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+KUBE_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 command -v go >/dev/null || { log "the Go toolchain is required (go >= 1.23)"; exit 1; }
 
 # Writes go.mod for K8S_VERSION: require k8s.io/kubernetes and pin every staging module to v0.<minor>.<patch>.
@@ -51,22 +59,21 @@ gen_module() {
 
 build_kube() {
   local want=()
-  for c in kube-apiserver kube-controller-manager; do [[ -x "$BIN_DIR/$c" ]] || want+=("$c"); done
-  command -v kubectl >/dev/null || [[ -x "$BIN_DIR/kubectl" ]] || want+=(kubectl)
+  for c in "${KUBE_CMDS[@]}"; do [[ -x "$BIN_DIR/$c" ]] || want+=("$c"); done
   [[ ${#want[@]} -eq 0 ]] && return
   grep -q "k8s.io/kubernetes $K8S_VERSION" "$MOD_DIR/go.mod" 2>/dev/null || gen_module
   for c in "${want[@]}"; do
     log "building $c $K8S_VERSION (first build takes a long time)"
-    (cd "$MOD_DIR" && go build -ldflags="$LDFLAGS" -o "$BIN_DIR/$c.tmp" "k8s.io/kubernetes/cmd/$c")
+    (cd "$MOD_DIR" && go build -ldflags="$KUBE_LDFLAGS" -o "$BIN_DIR/$c.tmp" "k8s.io/kubernetes/cmd/$c")
     mv "$BIN_DIR/$c.tmp" "$BIN_DIR/$c"
   done
 }
 
-go_install() {  # name package@version
+go_install() {  # name package@version [extra ldflags]
   [[ -x "$BIN_DIR/$1" ]] && return
   log "building $1 ($2)"
   local tmp; tmp="$(mktemp -d)"
-  GOBIN="$tmp" go install -ldflags="$LDFLAGS" "$2"
+  GOBIN="$tmp" go install -ldflags="$LDFLAGS ${3:-}" "$2"
   mv "$tmp/$1" "$BIN_DIR/$1"; rmdir "$tmp"
 }
 
@@ -83,5 +90,9 @@ ensure_etcd() {
 ensure_etcd
 build_kube
 go_install kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-go_install helm "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+# helm's Makefile stamps its version and the Kubernetes version `helm template`/`lint` assume (else v1.20).
+HELM_PKG=helm.sh/helm/v3
+go_install helm "$HELM_PKG/cmd/helm@$HELM_VERSION" "-X $HELM_PKG/internal/version.version=$HELM_VERSION \
+  -X $HELM_PKG/pkg/lint/rules.k8sVersionMajor=1 -X $HELM_PKG/pkg/lint/rules.k8sVersionMinor=34 \
+  -X $HELM_PKG/pkg/chartutil.k8sVersionMajor=1 -X $HELM_PKG/pkg/chartutil.k8sVersionMinor=34"
 echo "$BIN_DIR"

@@ -140,7 +140,10 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Debian's etcd 3.4 lacks RequestWatchProgress: keep newer client-go (kwok) off streaming watch-lists.
+        env = {**os.environ, "KUBE_FEATURE_WatchListClient": "false"}
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=env)
 
     def _wait(self, ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
