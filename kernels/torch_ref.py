@@ -1,10 +1,13 @@
 """Torch reference attention backend ("torch"): the CPU default and the oracle the Triton/flash kernels are tested against.
 
-Decode tokens (one new token per sequence) are batched into one SDPA call over a padded gather of their contexts;
-prefill chunks run one SDPA call per sequence with a causal mask offset by the cached context length.
+Decode tokens (one new token per sequence) are batched into a few SDPA calls over padded gathers of their contexts,
+bucketed by length so that padding stays small; prefill chunks run one SDPA call per sequence with a causal mask offset
+by the cached context length. The bucketing is planned once per step and shared by all layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,28 +38,71 @@ def context_slots(meta: AttentionMetadata, block_size: int, total: int) -> tuple
     return blocks, pos % block_size
 
 
+@dataclass
+class DecodeGroup:
+    """Decode sequences of similar length, attended in one padded SDPA call."""
+
+    rows: torch.Tensor    # (B,) their token rows in the batch
+    tables: torch.Tensor  # (B, nb) int64 block ids, nb covering the longest
+    mask: torch.Tensor    # (B, 1, 1, nb * block_size) bool: slot < seq_len
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one step repeats: derived once from the metadata (host lists, no device syncs)."""
+
+    decode_groups: list[DecodeGroup]
+    prefills: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len) of sequences with > 1 new token
+
+
+def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float = 1.25) -> StepPlan:
+    """Split decodes into length buckets so that padded slots stay within ``max_padding`` x the real context."""
+    starts = _cumsum(meta.query_lens_cpu)
+    decodes = sorted((meta.seq_lens_cpu[s], s) for s, n in enumerate(meta.query_lens_cpu) if n == 1)[::-1]
+    groups: list[list[tuple[int, int]]] = []
+    for seq_len, s in decodes:  # longest first: a group's first member sets its padded length
+        g = groups[-1] if groups else None
+        if g is None or (len(g) + 1) * g[0][0] > max_padding * (sum(n for n, _ in g) + seq_len):
+            groups.append([(seq_len, s)])
+        else:
+            g.append((seq_len, s))
+    decode_groups = []
+    for g in groups:
+        seqs, lens = [s for _, s in g], [n for n, _ in g]
+        nb = -(-lens[0] // block_size)
+        idx = torch.tensor(seqs, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        mask = torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None]         # (B, L)
+        decode_groups.append(DecodeGroup(
+            rows=torch.tensor([starts[s] for s in seqs], device=device),
+            tables=meta.block_tables[idx, :nb].long(), mask=mask[:, None, None, :]))
+    prefills = [(s, starts[s], n, meta.seq_lens_cpu[s]) for s, n in enumerate(meta.query_lens_cpu) if n > 1]
+    return StepPlan(decode_groups, prefills)
+
+
 def paged_attention_ref(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context (KV already written). -> (T, H, D).
 
     ``new_kv``: this step's (k, v), used directly for sequences whose whole context is new (a first full prefill),
     saving a gather; values are identical to the cache's when the cache dtype equals the compute dtype.
+    ``plan``: :func:`plan_step` of ``meta``, computed once per step by the caller (else here).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
+    plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
     out = torch.empty_like(q)
-    starts = _cumsum(meta.query_lens_cpu)  # host copy: no device sync
-    decode_seqs = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
-    if decode_seqs:
-        rows = [starts[s] for s in decode_seqs]
-        out[rows] = _decode_batch(q[rows], kv_layer, meta, decode_seqs, scale, group)
-    for s, q_len in enumerate(meta.query_lens_cpu):
-        if q_len == 1 or q_len == 0:
-            continue
-        lo, seq_len = starts[s], meta.seq_lens_cpu[s]
+    for dg in plan.decode_groups:
+        b = dg.rows.shape[0]
+        k = kv_layer[:, 0][dg.tables].flatten(1, 2).to(q.dtype)             # (B, nb, bs, Hkv, D) -> (B, L, Hkv, D)
+        v = kv_layer[:, 1][dg.tables].flatten(1, 2).to(q.dtype)             # (B, L, Hkv, D)
+        qg = q[dg.rows].view(b, num_kv_heads, group, head_dim)              # (B, Hkv, G, D): the group acts as query rows
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dg.mask, scale=scale)
+        out[dg.rows] = o.reshape(b, num_heads, head_dim)                    # (B, Hkv, G, D) -> (B, H, D)
+    for s, lo, q_len, seq_len in plan.prefills:
         if new_kv is not None and seq_len == q_len and new_kv[0].dtype == kv_layer.dtype:
             k, v = new_kv[0][lo:lo + q_len], new_kv[1][lo:lo + q_len]
         else:
@@ -75,28 +121,6 @@ def paged_attention_ref(
     return out
 
 
-def _decode_batch(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, seqs: list[int], scale: float, group: int,
-) -> torch.Tensor:
-    """One query per sequence: gather every context padded to the longest, mask the padding. q (B, H, D) -> (B, H, D)."""
-    block_size, num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
-    lens = [meta.seq_lens_cpu[s] for s in seqs]
-    max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
-    idx = torch.tensor(seqs, device=meta.block_tables.device)
-    tables = meta.block_tables[idx, :num_blocks].long()                      # (B, nb)
-    k = kv_layer[:, 0][tables].flatten(1, 2).to(q.dtype)                     # (B, nb, bs, Hkv, D) -> (B, L, Hkv, D)
-    v = kv_layer[:, 1][tables].flatten(1, 2).to(q.dtype)                     # (B, L, Hkv, D)
-    b = len(seqs)
-    qg = q.view(b, num_kv_heads, group, head_dim)                            # (B, Hkv, G, D): the group acts as query rows
-    lens_t = torch.tensor(lens, device=q.device)
-    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens_t[:, None]  # (B, L)
-    o = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
-    )                                                                        # (B, Hkv, G, D)
-    return o.reshape(b, num_kv_heads * group, head_dim)                      # (B, H, D)
-
-
 def _cumsum(lens: list[int]) -> list[int]:
     out = [0]
     for n in lens:
@@ -110,6 +134,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, StepPlan] | None = None  # every layer of a step shares one plan
+
     def forward(self, q, k, v, kv_layer, meta, scale):
         self.write_kv(k, v, kv_layer, meta.slot_mapping)
-        return paged_attention_ref(q, kv_layer, meta, scale, new_kv=(k, v))
+        if self._plan is None or self._plan[0] is not meta:
+            self._plan = (meta, plan_step(meta, kv_layer.shape[2], q.device))
+        return paged_attention_ref(q, kv_layer, meta, scale, new_kv=(k, v), plan=self._plan[1])

@@ -55,3 +55,16 @@ def test_context_slots_walk_each_block_table():
     blocks, offsets = context_slots(meta, 4, 15)
     want = [(builder.tables[s][p // 4], p % 4) for s, n in ((0, 6), (1, 9)) for p in range(n)]
     assert list(zip(blocks.tolist(), offsets.tolist())) == want
+
+
+def test_decodes_are_bucketed_by_length():
+    from pdserve.kernels.torch_ref import plan_step
+
+    builder = PagedBatchBuilder(num_blocks=40, block_size=16)
+    lens = {0: 20, 1: 100, 2: 17, 3: 90, 4: 18}
+    builder.step({s: n - 1 for s, n in lens.items()})
+    meta, _ = builder.step({s: 1 for s in lens} | {5: 7})  # five decodes and a prefill
+    plan = plan_step(meta, 16, torch.device("cpu"))
+    assert [g.rows.tolist() for g in plan.decode_groups] == [[1, 3], [0, 4, 2]]  # longest first
+    assert [g.tables.shape[1] for g in plan.decode_groups] == [7, 2]  # 100 -> 7 blocks, 20 -> 2 blocks
+    assert plan.prefills == [(5, 5, 7, 7)]
