@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.cos_sin: torch.Tensor | None = None  # (max_model_len, 2, D) float32, built by load_weights
+        self.register_buffer("cos_sin", None, persistent=False)  # (max_model_len, 2, D) float32, set by load_weights
 
     def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)                                  # (T, hidden)

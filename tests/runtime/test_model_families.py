@@ -132,3 +132,21 @@ def test_rope_frequencies_match_hf(family):
     want, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=512)
     assert scaling == 1.0
     torch.testing.assert_close(rope_inv_freq(LlamaArgs.from_hf(config, 512), 512), want)
+
+
+def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from pdserve.runtime.models.llama import LlamaForCausalLM
+
+    _save_tiny("qwen2", tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    backend = select_backend("torch", "cpu")
+    for broken, error in [({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}, "missing weights"),
+                          ({**weights, "model.layers.0.extra.weight": torch.zeros(1)}, "unexpected weight"),
+                          ({**weights, "model.norm.weight": torch.zeros(3)}, "has shape")]:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, backend)
+        with pytest.raises(ValueError, match=error):
+            model.load_weights(broken.items(), torch.device("cpu"), torch.float32)
