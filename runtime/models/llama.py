@@ -179,6 +179,8 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 
+_NUM_SHARDS = {ours: sum(1 for o, _ in _FUSED.values() if o == ours) for ours, _ in _FUSED.values()}
+
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids (T,), positions (T,), kv_cache, attn_meta) -> hidden (T, hidden_size)``, then
@@ -230,6 +232,9 @@ class LlamaForCausalLM(nn.Module):
                 self._assign(params, name, tensor, device, dtype)
                 loaded.add(name)
         for name, parts in shards.items():
+            # "layers.{i}.mlp.gate_up_proj.weight" -> "mlp.gate_up_proj"
+            if len(parts) != _NUM_SHARDS[name.rpartition(".")[0].split(".", 2)[-1]]:
+                continue  # incomplete: reported as missing below
             self._assign(params, name, torch.cat([parts[i] for i in sorted(parts)], dim=0), device, dtype)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
