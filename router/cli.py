@@ -1,4 +1,6 @@
-"""``pdserve router``: flags -> RouterConfig -> uvicorn serving RouterApp (uvloop + httptools when installed)."""
+"""``pdserve router``: flags -> RouterConfig -> RouterApp served by ``router.http_server`` (on uvloop when installed).
+
+``uvicorn_config`` is kept for serving other ASGI apps the same way (tests' fake pods, benchmarks)."""
 
 from __future__ import annotations
 
@@ -82,11 +84,10 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):
 
 
 def run(a: argparse.Namespace) -> int:
-    import uvicorn
-
+    from pdserve.router import http_server
     from pdserve.router.app import RouterApp
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(a)
-    uvicorn.Server(uvicorn_config(RouterApp(cfg), cfg.host, cfg.port, a.log_level)).run()
+    http_server.run(RouterApp(cfg), cfg.host, cfg.port)
     return 0

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from typing import Any
 
-from pdserve.runtime.block_hash import hash_token_blocks
+from pdserve.runtime.block_hash import BlockHash, block_extra_keys, hash_block
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,73 @@ def _text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
+class _BoundedCache(dict):
+    """A dict that forgets everything when full (cheap; hot entries come right back)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def put(self, key, value):
+        if len(self) >= self.capacity:
+            self.clear()
+        self[key] = value
+        return value
+
+
 class PromptTokenizer:
-    def __init__(self, path: str):
+    """Token ids of request bodies, fast on the hot path.
+
+    The chat template is compiled once and rendered directly; the rendered text is split at the tokenizer's special
+    tokens and each piece is encoded once and cached (HF tokenizers split at added tokens before anything else, so
+    encoding the pieces separately gives exactly the ids of encoding the whole text; with many requests sharing a
+    system prompt the long piece is encoded once). Tokenizers whose added tokens strip or normalize fall back to
+    encoding the whole text."""
+
+    def __init__(self, path: str, cache_size: int = 4096):
         from transformers import PreTrainedTokenizerFast
 
         self.path = path
         self.tok = PreTrainedTokenizerFast.from_pretrained(path)
+        self.fast = self.tok.backend_tokenizer
+        self._pieces = _BoundedCache(cache_size)
+        self._template = None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            if self.tok.chat_template:
+                self._template = _compile_jinja_template(self.tok.chat_template)
+        except Exception as e:  # noqa: BLE001 (private helper moved: fall back to apply_chat_template)
+            log.debug("chat template fast path unavailable: %s", e)
+        added = self.tok.added_tokens_decoder.values()
+        self._special = {t.content: self.tok.convert_tokens_to_ids(t.content) for t in added}
+        plain = all(not (t.lstrip or t.rstrip or t.normalized or t.single_word) for t in added)
+        self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._special, key=len, reverse=True))
+                                  + ")") if plain and self._special else None)
+
+    def encode(self, text: str) -> list[int]:
+        """``encode(text, add_special_tokens=False)``, piecewise and cached."""
+        if self._split is None:
+            return self.fast.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            sid = self._special.get(piece)
+            if sid is not None:
+                ids.append(sid)
+                continue
+            cached = self._pieces.get(piece)
+            if cached is None:
+                cached = self._pieces.put(piece, self.fast.encode(piece, add_special_tokens=False).ids)
+            ids.extend(cached)
+        return ids
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._template is not None:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.tok.special_tokens_map)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """Prompt token ids of an OpenAI request body, or None when the body is not something we can tokenize
@@ -57,16 +119,12 @@ class PromptTokenizer:
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 return None
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in msgs]
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=body.get("add_generation_prompt", True),
-                                               tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode(self.render_chat(msgs, bool(body.get("add_generation_prompt", True))))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return self.tok.encode(prompt, add_special_tokens=False)
+            return self.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
@@ -84,7 +142,22 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return chars // 4
 
 
-def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any) -> list[bytes]:
-    """The shared chained hashes of the prompt's full blocks (same function as the runtime's prefix cache)."""
+_HASHES = _BoundedCache(1 << 16)  # (parent, block tokens, extra keys) -> hash; shared prefixes hash once
+
+
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any) -> list[BlockHash]:
+    """The chained hashes of the prompt's full blocks, computed by the runtime's own ``hash_block`` (memoized), so
+    they equal ``block_hash.hash_token_blocks(token_ids, block_size, cache_salt)`` by construction."""
     salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-    return hash_token_blocks(token_ids, block_size, salt)
+    out: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        extra = block_extra_keys(i, salt)
+        key = (parent, block, extra)
+        h = _HASHES.get(key)
+        if h is None:
+            h = _HASHES.put(key, hash_block(parent, block, extra))
+        out.append(h)
+        parent = h
+    return out

@@ -47,7 +47,7 @@ def make_router():
         if cfg.health_interval == RouterConfig.health_interval:  # default: check often in tests
             cfg = replace(cfg, health_interval=0.2)
         app = RouterApp(cfg, **kw)
-        srv = ServerThread(app).start()
+        srv = ServerThread(app, router=True).start()
         started.append(srv)
         return app, srv
 

@@ -159,9 +159,10 @@ async def _send(send, status: int, body: bytes, ctype: bytes = b"application/jso
 
 
 class ServerThread:
-    """Run an ASGI app under uvicorn (uvloop + httptools) on 127.0.0.1 in a background thread."""
+    """Run an ASGI app on 127.0.0.1 in a background thread: under uvicorn (uvloop + httptools), or with
+    ``router=True`` under the router's own HTTP server (``pdserve.router.http_server``)."""
 
-    def __init__(self, app, port: int = 0, host: str = "127.0.0.1"):
+    def __init__(self, app, port: int = 0, host: str = "127.0.0.1", router: bool = False):
         from pdserve.router.cli import uvicorn_config
 
         import socket
@@ -171,8 +172,11 @@ class ServerThread:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.app, self.host, self.port = app, host, port
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, "error"))
-        self.server.install_signal_handlers = lambda: None  # not the main thread
+        if router:
+            self.server = _RouterServer(app, host, port)
+        else:
+            self.server = uvicorn.Server(uvicorn_config(app, host, port, "error"))
+            self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -197,6 +201,39 @@ class ServerThread:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class _RouterServer:
+    """uvicorn.Server's thread-facing surface (run / started / should_exit) over the router's HTTP server."""
+
+    def __init__(self, app, host: str, port: int):
+        self.app, self.host, self.port = app, host, port
+        self.started = False
+        self._loop = self._server = None
+
+    @property
+    def should_exit(self) -> bool:
+        return False
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._server.stop)
+
+    def run(self) -> None:
+        import uvloop
+
+        from pdserve.router.http_server import Server
+
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._server = Server(self.app, self.host, self.port, drain_timeout=5)
+            task = asyncio.create_task(self._server.serve(install_signals=False))
+            await self._server.started.wait()
+            self.started = True
+            await task
+
+        uvloop.run(main())
 
 
 def main() -> None:

@@ -1,0 +1,53 @@
+"""The router's fast prompt tokenization equals the tokenizer's own (chat template + encode), and its memoized block
+hashes equal the shared ``hash_token_blocks``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.prompt import block_hashes, estimate_tokens
+from pdserve.runtime.block_hash import hash_token_blocks
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "You are terse. " * 60}, {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "ünïcödé 🍵"}],
+    [{"role": "user", "content": "text with <|im_start|> and <|im_end|> inside\n\n  spaces  "}],
+    [{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "part two"}]}],
+]
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+@pytest.mark.parametrize("agp", [True, False])
+def test_chat_tokens_equal_apply_chat_template(tokenizer, conv, agp):
+    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+              else "".join(p["text"] for p in m["content"])} for m in conv]
+    ref = tokenizer.tok.apply_chat_template(plain, add_generation_prompt=agp, tokenize=True, return_dict=False)
+    body = {"messages": conv, "add_generation_prompt": agp}
+    assert tokenizer.token_ids("/v1/chat/completions", body) == list(ref)
+    assert tokenizer.token_ids("/v1/chat/completions", body) == list(ref)  # again, from the piece cache
+
+
+@pytest.mark.parametrize("prompt", ["Hello world", "x" * 3000, "<|endoftext|>tail", " leading space"])
+def test_completion_tokens_equal_encode(tokenizer, prompt):
+    ref = tokenizer.tok.encode(prompt, add_special_tokens=False)
+    assert tokenizer.token_ids("/v1/completions", {"prompt": prompt}) == ref
+    assert tokenizer.token_ids("/v1/completions", {"prompt": [prompt]}) == ref
+
+
+def test_token_id_prompts_and_unusable_bodies(tokenizer):
+    assert tokenizer.token_ids("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert tokenizer.token_ids("/v1/completions", {"prompt": [[5, 6]]}) == [5, 6]
+    assert tokenizer.token_ids("/v1/completions", {"prompt": ""}) is None
+    assert tokenizer.token_ids("/v1/completions", {"prompt": ["a", "b"]}) is None
+    assert tokenizer.token_ids("/v1/chat/completions", {"messages": "nope"}) is None
+    assert estimate_tokens({"prompt": "x" * 400}) == 100
+    assert estimate_tokens({"messages": [{"role": "user", "content": "y" * 80}]}) == 20
+
+
+def test_memoized_block_hashes_equal_the_shared_module():
+    ids = list(range(1000, 1100))
+    for salt in (None, "tenant-a"):
+        assert block_hashes(ids, 16, salt) == hash_token_blocks(ids, 16, salt)
+        assert block_hashes(ids, 16, salt) == hash_token_blocks(ids, 16, salt)  # from the memo
+    assert block_hashes(ids[:90], 16, None) == hash_token_blocks(ids, 16)[:5]
