@@ -124,7 +124,7 @@ class RouterApp:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if self._api_key is not None and not self._authorized(headers):
-            self.metrics.requests.labels("unauthorized").inc()
+            self.metrics.child(self.metrics.requests, "unauthorized").inc()
             await send_error(send, 401, "invalid or missing API key", code="invalid_api_key")
             return
         if path in GENERATE_PATHS:
@@ -133,13 +133,13 @@ class RouterApp:
                 return
         elif path == "/v1/models" and method == "GET":
             request_id = headers.get("x-request-id") or uuid.uuid4().hex
-            self.metrics.requests.labels(await self.router.forward_get(path, request_id, send)).inc()
+            self.metrics.child(self.metrics.requests, await self.router.forward_get(path, request_id, send)).inc()
             return
         else:
             await send_error(send, 404, f"no route {method} {path}")
             return
         if self.active >= self.cfg.max_concurrency:
-            self.metrics.requests.labels("rejected").inc()
+            self.metrics.child(self.metrics.requests, "rejected").inc()
             await send_error(send, 429, "too many requests in flight; retry later", code="overloaded",
                              retry_after=1)
             return
@@ -159,19 +159,19 @@ class RouterApp:
     async def generate(self, path: str, headers: dict[str, str], receive, send) -> None:
         limit = self.cfg.max_body_bytes
         if int(headers.get("content-length") or 0) > limit:
-            self.metrics.requests.labels("too_large").inc()
+            self.metrics.child(self.metrics.requests, "too_large").inc()
             await send_error(send, 413, f"request body exceeds {limit} bytes", code="body_too_large")
             return
         chunks, size = [], 0
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                self.metrics.requests.labels("cancelled").inc()
+                self.metrics.child(self.metrics.requests, "cancelled").inc()
                 return
             body = msg.get("body", b"")
             size += len(body)
             if size > limit:
-                self.metrics.requests.labels("too_large").inc()
+                self.metrics.child(self.metrics.requests, "too_large").inc()
                 await send_error(send, 413, f"request body exceeds {limit} bytes", code="body_too_large")
                 return
             chunks.append(body)
@@ -183,7 +183,7 @@ class RouterApp:
         except (ValueError, UnicodeDecodeError) as e:
             body = e
         if not isinstance(body, dict):
-            self.metrics.requests.labels("bad_request").inc()
+            self.metrics.child(self.metrics.requests, "bad_request").inc()
             await send_error(send, 400, "request body must be a JSON object", code="invalid_json")
             return
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
@@ -202,12 +202,12 @@ class RouterApp:
         try:
             outcome = await self.router.generate(path, raw, body, headers, request_id, send)
             state["done"] = True
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.child(self.metrics.requests, outcome).inc()
         except asyncio.CancelledError:
             if not state["disconnected"]:
                 raise
             task.uncancel()
-            self.metrics.requests.labels("cancelled").inc()
+            self.metrics.child(self.metrics.requests, "cancelled").inc()
             log.info("request %s: client disconnected; upstream cancelled", request_id)
         finally:
             state["done"] = True

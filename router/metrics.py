@@ -41,8 +41,15 @@ class RouterMetrics:
                                         ["source"], registry=r)  # live | replay
         self.index_blocks = Gauge("pdserve_router_prefix_index_blocks", "Distinct block hashes in the index.",
                                   registry=r)
-        # hot-path children bound once
-        self.ok = self.requests.labels("ok")
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, memoized (the hot path pays a dict lookup, not prometheus' locking)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def prefix_hit_ratio(self) -> float:
         total = self.prompt_tokens._value.get()

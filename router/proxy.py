@@ -74,7 +74,7 @@ class Router:
             d = profile.schedule(ctx, cands)
             if d is None:
                 return None
-            self.metrics.decisions.labels(role, d.endpoint.url).inc()
+            self.metrics.child(self.metrics.decisions, role, d.endpoint.url).inc()
             return d.endpoint
 
         return pick
@@ -90,8 +90,8 @@ class Router:
                              request_id=request_id)
             return "no_endpoint"
         decode_ep = decision.endpoint
-        m.decisions.labels("decode", decode_ep.url).inc()
-        m.scores.labels("decode").observe(decision.score)
+        m.child(m.decisions, "decode", decode_ep.url).inc()
+        m.child(m.scores, "decode").observe(decision.score)
         fwd = {"content-type": "application/json", "x-request-id": request_id}
         payload = raw
 
@@ -99,11 +99,11 @@ class Router:
             uncached = ctx.num_prompt_tokens - int(ctx.matched_blocks.get(decode_ep.url, 0)) * cfg.block_size
             can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url)
             if uncached <= cfg.pd_threshold:
-                m.pd_decisions.labels("local_short").inc()
+                m.child(m.pd_decisions, "local_short").inc()
             elif not any(p.routable and can_prefill(p) for p in self.pool.prefillers):
-                m.pd_decisions.labels("local_no_prefill").inc()
+                m.child(m.pd_decisions, "local_no_prefill").inc()
             else:
-                m.pd_decisions.labels("disaggregated").inc()
+                m.child(m.pd_decisions, "disaggregated").inc()
                 pick = self.picker(self.prefill_profile, ctx, lambda: self.pool.prefillers, "prefill", can_prefill)
                 res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts)
                 if res.client_error is not None:
@@ -114,12 +114,12 @@ class Router:
                     payload = json.dumps(decode_body(body, res.kv_transfer_params)).encode()
                     self.index.add_speculative(res.endpoint.url, ctx.block_hashes)
                 elif cfg.prefill_failure == "fail":
-                    m.pd_fallbacks.labels("fail").inc()
+                    m.child(m.pd_fallbacks, "fail").inc()
                     await send_error(send, 502, f"prefill failed: {res.error}", code="prefill_failed",
                                      request_id=request_id)
                     return "upstream_error"
                 else:
-                    m.pd_fallbacks.labels("decode_only").inc()
+                    m.child(m.pd_fallbacks, "decode_only").inc()
                     log.warning("request %s: prefill failed (%s); decoding locally", request_id, res.error)
 
         pick = self.picker(self.decode_profile, ctx, lambda: self.pool.decoders, "decode", first=decode_ep)

@@ -44,7 +44,7 @@ class Attempt:
             self.resp.close()
         if not ok:  # the body broke off mid-stream: the pod failed us after all
             self.endpoint.breaker.record_failure()
-        self._metrics.upstream_latency.labels(self.role).observe(time.perf_counter() - self.started)
+        self._metrics.child(self._metrics.upstream_latency, self.role).observe(time.perf_counter() - self.started)
 
 
 class UpstreamFailure(Exception):
@@ -85,7 +85,7 @@ class Upstream:
                 held.finish()
                 held = None
             if attempt:
-                self.metrics.retries.labels(role).inc()
+                self.metrics.child(self.metrics.retries, role).inc()
                 await asyncio.sleep(self.cfg.retry_backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
             tried.add(ep.url)
             ep.in_flight += 1
@@ -101,17 +101,17 @@ class Upstream:
                 ep.in_flight -= 1
                 ep.breaker.record_failure()
                 kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connect"
-                self.metrics.upstream_errors.labels(role, kind).inc()
+                self.metrics.child(self.metrics.upstream_errors, role, kind).inc()
                 last = f"{ep.url}: {kind} error: {e or type(e).__name__}"
                 continue
-            self.metrics.ttfb.labels(role).observe(time.perf_counter() - started)
+            self.metrics.child(self.metrics.ttfb, role).observe(time.perf_counter() - started)
             if resp.status >= 500:
                 ep.breaker.record_failure()
             else:
                 ep.breaker.record_success()
             result = Attempt(ep, resp, role, started, self.metrics)
             if resp.status in RETRYABLE_STATUS and attempt < retries:
-                self.metrics.upstream_errors.labels(role, str(resp.status)).inc()
+                self.metrics.child(self.metrics.upstream_errors, role, str(resp.status)).inc()
                 held = result
                 continue
             return result
