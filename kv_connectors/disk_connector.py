@@ -2,7 +2,7 @@
 
 Layout: ``<path>/<fingerprint>/<hash[:2]>/<hash>.kvb``. Files are written to a temp file in the same directory and
 ``os.replace``d into place, so a reader sees a whole record or none (also across engines sharing the directory).
-A read bumps the file's mtime; when the directory's size passes ``max_bytes`` the least recently used files are
+A read bumps the file's mtime (at most every 30 s); when the directory's size passes ``max_bytes`` the least recently used files are
 deleted down to 90% of it (other engines sharing the directory just miss them later).
 
 Config: ``path`` (required), ``max_bytes`` (default 8 GiB), plus the StoreConnector keys.
@@ -10,23 +10,30 @@ Config: ``path`` (required), ``max_bytes`` (default 8 GiB), plus the StoreConnec
 
 from __future__ import annotations
 
+import itertools
 import os
-import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import register_connector
-from pdserve.kv_connectors.load_errors import KVLoadError, logger
+from pdserve.kv_connectors.load_errors import CorruptBlock, KVLoadError, MissingBlock, TruncatedBlock, logger
 from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
 
 
 class DiskStore(BlockStore):
+    direct = True
+    _tmp_ids = itertools.count()
+
     def __init__(self, path: str | os.PathLike, fingerprint: str, max_bytes: int = 8 << 30) -> None:
         self.root = Path(path) / fingerprint
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        self._dirs: set[str] = set()   # fan-out subdirectories known to exist
+        self.touch_after_s = 30.0      # LRU granularity: a read refreshes mtime when it is older than this
         self._size = sum(e.stat().st_size for e in self._entries())
 
     def _path(self, h: bytes) -> Path:
@@ -45,12 +52,15 @@ class DiskStore(BlockStore):
         try:
             for h, header, payload in items:
                 path = self._path(h)
-                path.parent.mkdir(exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+                if path.parent.name not in self._dirs:
+                    path.parent.mkdir(exist_ok=True)
+                    self._dirs.add(path.parent.name)
+                tmp = path.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     with os.fdopen(fd, "wb", buffering=0) as f:
-                        f.write(header)
-                        f.write(payload)
+                        if os.writev(f.fileno(), [header, payload]) != len(header) + len(payload):
+                            f.write(payload[f.tell() - len(header):])   # a short write (rare): finish it
                     os.replace(tmp, path)
                 except BaseException:
                     os.unlink(tmp)
@@ -71,7 +81,7 @@ class DiskStore(BlockStore):
             try:
                 with open(path, "rb", buffering=0) as f:
                     out.append(f.read())
-                os.utime(path)   # LRU: a read counts as a use
+                self._touch(path)
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:
@@ -80,6 +90,31 @@ class DiskStore(BlockStore):
 
     def contains_many(self, hashes: list[bytes]) -> list[bool]:
         return [self._path(h).exists() for h in hashes]
+
+    def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
+        path = self._path(block_hash)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                header = block_codec.parse_header(f.read(block_codec.HEADER_SIZE))
+                if header.length != len(dest):
+                    raise CorruptBlock(f"payload of {header.length} bytes, the block has {len(dest)}")
+                if st.st_size != block_codec.HEADER_SIZE + len(dest) or f.readinto(dest) != len(dest):
+                    raise TruncatedBlock(f"{path.name}: {st.st_size} bytes, want {block_codec.HEADER_SIZE + len(dest)}")
+                if time.time() - st.st_mtime > self.touch_after_s:
+                    self._touch(path)
+        except FileNotFoundError as e:
+            raise MissingBlock(f"block {block_hash.hex()[:16]} is not on disk") from e
+        except OSError as e:
+            raise KVLoadError(f"disk read failed: {e}") from e
+        return header
+
+    @staticmethod
+    def _touch(path: Path) -> None:
+        try:
+            os.utime(path)   # LRU: a read counts as a use
+        except OSError:      # evicted meanwhile: the read already has its bytes
+            pass
 
     def evict(self) -> int:
         """Delete least recently used files until the directory is under 90% of ``max_bytes``; returns files removed."""

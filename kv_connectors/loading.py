@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kv_connectors.block_codec import tensor_bytes
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, KVConnectorBase, KVConnectorMetadata
 from pdserve.kv_connectors.load_errors import ConnectorStats, KVLoadError, LoadTimeout, logger
 
@@ -169,12 +170,18 @@ class LoadingConnector(KVConnectorBase):
         self.stats.add("kv_blocks_loaded", ok)
         self.stats.add("kv_bytes_loaded", ok * self.spec.block_bytes)
 
-    def _write_block(self, job: LoadJob, block_id: int, block: torch.Tensor) -> None:
-        """Copy a verified block into the cache unless the job was cancelled (its blocks may belong to others now)."""
+    def _write_block(self, job: LoadJob, block_id: int, payload: memoryview) -> None:
+        """Copy a verified block's bytes into the cache unless the job was cancelled (its blocks may belong to others
+        now). On CPU a plain memcpy (torch's copy_ fans out to OpenMP threads, which stall on a busy host)."""
         with self._lock:
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
-            self.kv_cache[block_id].copy_(block)
+            dest = self.kv_cache[block_id]
+            if dest.device.type == "cpu":
+                tensor_bytes(dest)[:] = payload
+            else:
+                src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+                dest.copy_(src, non_blocking=False)
 
     def save_kv(self, meta: KVConnectorMetadata) -> None:
         """Saves happen when the engine reports computed tokens (request_scheduled_for_save / request_finished)."""

@@ -3,15 +3,15 @@ DRAM on CPU, VRAM on CUDA), the vLLM ``NixlConnector`` protocol with leases, aut
 
 Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote_decode`` keeps its full prompt blocks
 (delay_free) under a lease of ``lease_s`` seconds and answers vLLM-shaped ``kv_transfer_params`` plus ``lease_id``,
-``fingerprint``, ``block_hashes`` and ``block_checksums`` (CRC-32 of each block at handoff). An authenticated side
+``fingerprint``, ``block_hashes`` and ``block_checksums`` (xxHash3/CRC-32 hex of each block at handoff). An authenticated side
 channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint, cache address),
 ``heartbeat`` (extends a live lease) and ``done`` (releases it and says whether it was still valid). Blocks are freed
 (``get_finished`` sending) only when a lease is done or expired.
 
 Decode - a request with ``do_remote_prefill`` claims the listed blocks that match its own prompt beyond its local
 prefix hits and loads them in a background thread: handshake (cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, heartbeat (the lease must be alive), one NIXL READ
-with a deadline, then ``done``: only a lease that was still valid after the read proves the prefill blocks were never
+re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats keep the
+lease alive while a long one runs), then ``done``: only a lease that was still valid after the read proves the prefill blocks were never
 freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens.
 Finally each block's checksum is re-checked (``verify_checksums``, default on for CPU caches).
 
@@ -43,7 +43,7 @@ except ImportError:  # the PyPI wheel for CUDA 12 installs the same API as nixl_
 
 from pdserve.kv_connectors import side_channel
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_connector
-from pdserve.kv_connectors.block_codec import checksum, tensor_bytes
+from pdserve.kv_connectors.block_codec import ALGO_CRC32, checksum, default_algo, tensor_bytes
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
                                                LoadTimeout, PeerUnreachable, logger)
 from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
@@ -221,7 +221,9 @@ class NixlConnector(LoadingConnector):
         if not ids:
             return False, out
         if self.verify_checksums:
-            out["block_checksums"] = [checksum(tensor_bytes(self.kv_cache[b].cpu())) for b in ids]
+            algo = default_algo()   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
+            out["checksum_algo"] = algo
+            out["block_checksums"] = [f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" for b in ids]
         out["lease_id"] = self.leases.grant(request.request_id, ids)
         out["lease_s"] = self.leases.lease_s
         return True, out
@@ -288,9 +290,7 @@ class NixlConnector(LoadingConnector):
         if p.get("fingerprint") != self.fingerprint:
             raise FingerprintMismatch(f"prefill fingerprint {p.get('fingerprint')} != ours {self.fingerprint}")
         peer = self._peer(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"))
-        lease_id = p.get("lease_id")
-        if lease_id and not self._call(peer, "heartbeat", {"lease_id": lease_id})["alive"]:
-            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired before the read")
+        lease_id = p.get("lease_id")   # no heartbeat first: "done" after the read decides, and costs one round trip
         local = [b for _, b, _ in job.blocks]
         remote = [int(p["remote_block_ids"][i]) for i, _, _ in job.blocks]
         self._read(job, peer, local, remote, lease_id)
@@ -298,8 +298,9 @@ class NixlConnector(LoadingConnector):
             raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired during the read")
         errors: dict[int, KVLoadError] = {}
         sums = p.get("block_checksums") if self.verify_checksums else None
+        algo = int(p.get("checksum_algo", ALGO_CRC32))
         for i, b, _ in job.blocks if sums else ():
-            if checksum(tensor_bytes(self.kv_cache[b].cpu())) != sums[i]:
+            if f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" != sums[i]:
                 errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
         return errors
 
@@ -307,15 +308,15 @@ class NixlConnector(LoadingConnector):
         with self._lock:
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
-        handle = self.agent.make_prepped_xfer("READ", self._local_descs, local, peer.descs, remote)
+        handle = None
         try:
+            handle = self.agent.make_prepped_xfer("READ", self._local_descs, local, peer.descs, remote)
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.load_timeout_s
             next_beat = time.monotonic() + self.leases.lease_s / 3
             while state == "PROC":
                 now = time.monotonic()
                 if now > deadline:
-                    self._drop_peer(peer)
                     raise LoadTimeout(f"NIXL READ of {len(local)} blocks not done within {self.load_timeout_s}s")
                 if lease_id and now > next_beat:   # a long transfer keeps its lease alive
                     self._call(peer, "heartbeat", {"lease_id": lease_id})
@@ -323,11 +324,17 @@ class NixlConnector(LoadingConnector):
                 time.sleep(0.0002)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
-                self._drop_peer(peer)
                 raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed ({state})")
+        except KVLoadError:
+            self._drop_peer(peer)
+            raise
+        except Exception as e:   # NIXL raises e.g. nixlRemoteDisconnectError for a peer that died
+            self._drop_peer(peer)
+            raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed: {e!r}") from e
         finally:
             try:
-                handle.release()   # aborts a transfer still in flight
+                if handle is not None:
+                    handle.release()   # aborts a transfer still in flight
             except Exception as e:
                 logger.warning("nixl: releasing a transfer handle failed: %r", e)
 

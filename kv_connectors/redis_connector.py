@@ -3,8 +3,8 @@ prefix cache shared by every pod of a deployment (and as the P/D handoff medium)
 
 Every call has a socket timeout and no client-side retries, so a Redis that is down makes loads fail within about
 ``socket_timeout_s`` (reported as ``peer_unreachable`` or ``timeout`` load errors) and saves be skipped and counted;
-after a failure the store is skipped for ``retry_after_s``. Writes and reads are pipelined (one round trip per batch);
-a read refreshes the block's TTL (GETEX), so hot prefixes stay.
+after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 16 blocks) and reads (one round trip per
+load) are pipelined; a read refreshes the block's TTL (GETEX), so hot prefixes stay.
 
 Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:password), ``password``, ``username``,
 ``ttl_s`` (3600), ``socket_timeout_s`` (2), ``connect_timeout_s`` (1), ``key_prefix`` ("pdserve:kv:"), and TLS:
@@ -13,6 +13,7 @@ Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:passwor
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import redis
@@ -22,6 +23,9 @@ from redis.retry import Retry
 from pdserve.kv_connectors.base import register_connector
 from pdserve.kv_connectors.load_errors import KVLoadError, LoadTimeout, PeerUnreachable
 from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
+
+
+_CHUNK = 16
 
 
 def _translate(e: redis.RedisError) -> KVLoadError:
@@ -52,18 +56,32 @@ class RedisStore(BlockStore):
         self.client = redis.Redis.from_url(config["url"], **kwargs)
         self.ttl_s = int(config.get("ttl_s", 3600))
         self.prefix = f"{config.get('key_prefix', 'pdserve:kv:')}{fingerprint}:".encode()
+        self._bufs: list[bytearray] = []
+        self._buf_lock = threading.Lock()
 
     def key(self, h: bytes) -> bytes:
         return self.prefix + h.hex().encode()
 
     def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
+        # One whole-record SET per block (readers never see half a record), pipelined in chunks of _CHUNK whose
+        # records are assembled in reused buffers: fresh 700 KB allocations cost more in page faults than the copy.
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for h, header, payload in items:
-                    pipe.set(self.key(h), header + payload, ex=self.ttl_s)
-                pipe.execute()
+            with self._buf_lock:
+                for start in range(0, len(items), _CHUNK):
+                    with self.client.pipeline(transaction=False) as pipe:
+                        for j, (h, header, payload) in enumerate(items[start:start + _CHUNK]):
+                            buf = self._buffer(j, len(header) + len(payload))
+                            buf[:len(header)] = header
+                            buf[len(header):] = payload
+                            pipe.set(self.key(h), buf, ex=self.ttl_s)
+                        pipe.execute()
         except redis.RedisError as e:
             raise _translate(e) from e
+
+    def _buffer(self, i: int, size: int) -> bytearray:
+        if i >= len(self._bufs) or len(self._bufs[i]) != size:
+            self._bufs[i:i + 1] = [bytearray(size)]
+        return self._bufs[i]
 
     def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
         try:

@@ -26,7 +26,7 @@ import torch
 
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
-from pdserve.kv_connectors.load_errors import FingerprintMismatch, KVLoadError, MissingBlock, logger
+from pdserve.kv_connectors.load_errors import FingerprintMismatch, KVLoadError, LoadTimeout, MissingBlock, logger
 from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
 
 
@@ -44,6 +44,13 @@ class BlockStore(ABC):
     @abstractmethod
     def contains_many(self, hashes: list[bytes]) -> list[bool]:
         ...
+
+    def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
+        """Optional zero-copy read: the payload straight into ``dest``, returning the parsed (unverified) header.
+        Raises MissingBlock / TruncatedBlock / CorruptBlock. Stores without it return None from ``direct``."""
+        raise NotImplementedError
+
+    direct = False   # True when read_into is implemented
 
     def close(self) -> None:
         pass
@@ -95,14 +102,29 @@ class StoreConnector(LoadingConnector):
         params = job.params or {}
         if params.get("do_remote_prefill") and params.get("fingerprint") not in (None, self.fingerprint):
             raise FingerprintMismatch(f"prefill fingerprint {params['fingerprint']} != ours {self.fingerprint}")
-        records = self.store.get_many([h for _, _, h in job.blocks])
         errors: dict[int, KVLoadError] = {}
+        if self.store.direct and self.kv_cache.device.type == "cpu":
+            for _, block_id, h in job.blocks:
+                try:
+                    with self._lock:   # the payload lands in the cache: only while the job still owns the block
+                        if job.cancelled:
+                            raise LoadTimeout("load cancelled after its deadline")
+                        dest = block_codec.tensor_bytes(self.kv_cache[block_id])
+                        header = self.store.read_into(h, dest)
+                        block_codec.verify(header, dest, self.fingerprint, h, self.dtype, self.block_shape)
+                except KVLoadError as e:
+                    errors[block_id] = e
+            self._remember([h for _, b, h in job.blocks if b not in errors])
+            return errors
+        records = self.store.get_many([h for _, _, h in job.blocks])
         for (_, block_id, h), data in zip(job.blocks, records):
             try:
                 if data is None:
                     raise MissingBlock(f"block {h.hex()[:16]} is not in the store")
-                block = block_codec.decode_block(data, self.fingerprint, h, self.dtype, self.block_shape)
-                self._write_block(job, block_id, block)
+                header = block_codec.parse_header(data)
+                payload = memoryview(data)[block_codec.HEADER_SIZE:]
+                block_codec.verify(header, payload, self.fingerprint, h, self.dtype, self.block_shape)
+                self._write_block(job, block_id, payload)
             except KVLoadError as e:
                 errors[block_id] = e
         self._remember([h for _, b, h in job.blocks if b not in errors])   # in the store already: never re-save
@@ -157,16 +179,19 @@ class StoreConnector(LoadingConnector):
         if not force and time.monotonic() < self._store_down_until:
             self.stats.add("kv_saves_skipped", len(todo))
             return
+        if sync and self.kv_cache.device.type == "cpu":   # written before returning: the live blocks will do
+            self._write(request.request_id, [h for h, _ in todo], [self.kv_cache[b] for _, b in todo])
+            return
         # One gather copy: the snapshot stays valid even if the engine reuses the blocks before the write.
         snap = self.kv_cache[torch.tensor([b for _, b in todo])].cpu()
         if sync:
-            self._write(request.request_id, [h for h, _ in todo], snap)
+            self._write(request.request_id, [h for h, _ in todo], list(snap))
         else:
-            self._writer.submit(self._write, request.request_id, [h for h, _ in todo], snap)
+            self._writer.submit(self._write, request.request_id, [h for h, _ in todo], list(snap))
 
-    def _write(self, request_id: str, hashes: list[bytes], snap: torch.Tensor) -> None:
+    def _write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
         items = []
-        for h, block in zip(hashes, snap):
+        for h, block in zip(hashes, blocks):
             payload = block_codec.tensor_bytes(block)
             items.append((h, block_codec.encode_header(block, self.fingerprint, h, payload), payload))
         try:

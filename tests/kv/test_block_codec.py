@@ -43,3 +43,16 @@ def test_wrong_identity_raises():
     with pytest.raises(CorruptBlock):
         block_codec.decode_block(rec, FP, H, torch.float32, (2, 2, 4, 2, 4))
     assert all(issubclass(e, KVLoadError) for e in (CorruptBlock, FingerprintMismatch, HashMismatch, TruncatedBlock))
+
+
+def test_crc32_records_still_verify(monkeypatch):
+    """Records written where xxhash is missing (CRC-32) verify anywhere; their damage is still caught."""
+    block = torch.randn(SHAPE)
+    monkeypatch.setattr(block_codec, "xxhash", None)
+    rec = bytearray(block_codec.encode_block(block, FP, H))
+    monkeypatch.undo()
+    assert block_codec.parse_header(rec).algo == block_codec.ALGO_CRC32
+    assert torch.equal(block_codec.decode_block(bytes(rec), FP, H, torch.float32, SHAPE), block)
+    rec[-1] ^= 1
+    with pytest.raises(CorruptBlock):
+        block_codec.decode_block(bytes(rec), FP, H, torch.float32, SHAPE)

@@ -88,7 +88,7 @@ def test_fingerprint_mismatch_fails_every_block(tmp_path):
 
 
 def test_lru_cap_evicts_least_recently_used(tmp_path):
-    rec = SPEC.block_bytes + 132
+    rec = SPEC.block_bytes + block_codec.HEADER_SIZE
     store = DiskStore(tmp_path, "fp", max_bytes=int(rec * 4.5))
     blk = torch.zeros(SPEC.num_layers, 2, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
     hashes = [bytes([i]) * 32 for i in range(6)]

@@ -1,0 +1,222 @@
+"""KV transfer: each connector moving the KV of one 2,048-token prompt vs the raw limit of its medium, in one run.
+
+Shape: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64), 16-token blocks, float32 and bfloat16. The prompt has
+2,049 tokens so that all 128 blocks of its first 2,048 tokens move (the last prompt token is always computed locally).
+Connectors are driven through the base contract as the engine drives them (prefill ``request_finished`` with
+``do_remote_decode``; decode ``get_num_new_matched_tokens`` -> ``update_state_after_alloc`` -> ``build_connector_meta``
+-> ``start_load_kv``, synchronous loads) and include every check they make (header, fingerprint, CRC-32, leases).
+
+Raw limits, measured the same way on the same bytes:
+  nixl  - a memcpy (torch ``copy_``) of the same blocks between two tensors: loopback's ceiling
+  redis - raw redis-py pipelined SET then GET of the same number of same-sized values, same server
+  disk  - plain open/write/close of one new file per block, then read them back, same filesystem
+
+Ratio = raw time / connector time (1.0 = as fast as the raw medium; goal >= 0.5). Each timing is the best of
+``--repeat`` runs (a shared, noisy host).
+
+    python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,redis,disk] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.support.redis, for a real redis-server
+
+from pdserve.kv_connectors.base import KVCacheSpec, create_connector  # noqa: E402
+from pdserve.runtime.block_hash import hash_token_blocks  # noqa: E402
+
+BLOCK, PROMPT_TOKENS = 16, 2049
+NUM_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK          # 128 blocks move
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK)
+
+
+def spec_for(dtype: str) -> KVCacheSpec:
+    return KVCacheSpec(model="SmolLM2-135M-Instruct", dtype=dtype, num_layers=30, num_kv_heads=3, head_dim=64,
+                       block_size=BLOCK)
+
+
+def new_cache(spec: KVCacheSpec, fill: bool) -> torch.Tensor:
+    shape = (NUM_BLOCKS + 2, spec.num_layers, 2, BLOCK, spec.num_kv_heads, spec.head_dim)
+    t = torch.randn(shape) if fill else torch.zeros(shape)
+    return t.to(getattr(torch, spec.dtype))
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class Handoff:
+    """One prefill and one decode connector; ``save()`` / ``load()`` move one fresh 2,049-token prompt."""
+
+    def __init__(self, name: str, cfg: dict, spec: KVCacheSpec) -> None:
+        self.p = create_connector(name, "prefill", {**cfg, "async_load": False}, spec)
+        self.d = create_connector(name, "decode", {**cfg, "async_load": False}, spec)
+        self.p.register_kv_caches(new_cache(spec, fill=True))
+        self.d.register_kv_caches(new_cache(spec, fill=False))
+        self.n, self.params, self.req = 0, None, None
+
+    def save(self) -> None:
+        self.n += 1
+        toks = [random.randrange(50000) for _ in range(PROMPT_TOKENS)]
+        self.req = Req(f"r{self.n}", toks, {"do_remote_decode": True})
+        _, self.params = self.p.request_finished(self.req, list(range(NUM_BLOCKS + 1)))
+
+    def load(self) -> None:
+        req = Req(self.req.request_id, self.req.prompt_token_ids, self.params)
+        n, _ = self.d.get_num_new_matched_tokens(req, 0)
+        assert n == NUM_BLOCKS * BLOCK, n
+        self.d.update_state_after_alloc(req, list(range(1, NUM_BLOCKS + 2)), n)
+        self.d.start_load_kv(self.d.build_connector_meta())
+        assert not self.d.get_block_ids_with_load_errors(), self.d.metrics()
+        self.p.get_finished()   # releases the lease the load marked done (NIXL)
+
+    def timed(self, repeat: int) -> tuple[float, float]:
+        save_t, load_t = [], []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            self.save()
+            t1 = time.perf_counter()
+            self.load()
+            save_t.append(t1 - t0)
+            load_t.append(time.perf_counter() - t1)
+        return min(save_t), min(load_t)
+
+    def close(self) -> None:
+        self.p.shutdown()
+        self.d.shutdown()
+
+
+def raw_memcpy(spec: KVCacheSpec, repeat: int) -> float:
+    src, dst = new_cache(spec, True)[:NUM_BLOCKS], new_cache(spec, False)[:NUM_BLOCKS]
+    dst.copy_(src)   # fault the pages in, as the registered caches are
+    return best(lambda: dst.copy_(src), repeat)
+
+
+def raw_redis(url: str, nbytes: int, repeat: int) -> tuple[float, float]:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    value = os.urandom(nbytes)
+
+    def put():
+        with r.pipeline(transaction=False) as pipe:
+            for i in range(NUM_BLOCKS):
+                pipe.set(f"raw:{i}", value)
+            pipe.execute()
+
+    def get():
+        with r.pipeline(transaction=False) as pipe:
+            for i in range(NUM_BLOCKS):
+                pipe.get(f"raw:{i}")
+            assert all(len(v) == nbytes for v in pipe.execute())
+
+    put()
+    out = best(put, repeat), best(get, repeat)
+    r.delete(*[f"raw:{i}" for i in range(NUM_BLOCKS)])
+    return out
+
+
+def raw_disk(root: Path, nbytes: int, repeat: int) -> tuple[float, float]:
+    root.mkdir(parents=True, exist_ok=True)
+    value = os.urandom(nbytes)
+
+    runs = iter(range(10**6))
+    last = [0]
+
+    def put():   # new files each run, as each handoff writes new blocks
+        last[0] = next(runs)
+        for i in range(NUM_BLOCKS):
+            with open(root / f"raw-{last[0]}-{i}", "wb", buffering=0) as f:
+                f.write(value)
+
+    def get():
+        for i in range(NUM_BLOCKS):
+            with open(root / f"raw-{last[0]}-{i}", "rb", buffering=0) as f:
+                assert len(f.read()) == nbytes
+
+    out = best(put, repeat), best(get, repeat)
+    shutil.rmtree(root)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--connectors", default="nixl,redis,disk")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    names = args.connectors.split(",")
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-kvbench-"))
+    redis_ctx = None
+    if "redis" in names:
+        from tests.support.redis import redis_server
+        redis_ctx = redis_server()
+        redis_url = redis_ctx.__enter__().url
+    rows = []
+    try:
+        for dtype in args.dtypes.split(","):
+            spec = spec_for(dtype)
+            nbytes = spec.block_bytes
+            total = nbytes * NUM_BLOCKS
+            for name in names:
+                cfg = {"nixl": {"token": "bench"}, "redis": {"url": redis_url} if redis_ctx else {},
+                       "disk": {"path": str(tmp / f"disk-{dtype}")}}[name]
+                h = Handoff(name, cfg, spec)
+                h.save(), h.load()                      # warm-up: handshakes, connections, directories
+                save_t, load_t = h.timed(args.repeat)
+                h.close()
+                if name == "nixl":
+                    raw_save, raw_load = 0.0, raw_memcpy(spec, args.repeat)
+                elif name == "redis":
+                    raw_save, raw_load = raw_redis(redis_url, nbytes, args.repeat)
+                else:
+                    raw_save, raw_load = raw_disk(tmp / "raw", nbytes, args.repeat)
+                rows.append((name, dtype, total, save_t, load_t, raw_save, raw_load))
+    finally:
+        if redis_ctx:
+            redis_ctx.__exit__(None, None, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nKV of a {PROMPT_TOKENS - 1}-token prompt: {NUM_BLOCKS} blocks of {BLOCK} tokens, SmolLM2 shape "
+          f"(30 layers x 3 KV heads x 64); best of {args.repeat}")
+    print(f"{'connector':9} {'dtype':9} {'MB':>6} | {'save ms':>8} {'raw ms':>7} {'ratio':>5} | "
+          f"{'load ms':>8} {'raw ms':>7} {'ratio':>5} | {'end-to-end ratio':>16}")
+    for name, dtype, total, s, l, rs, rl in rows:
+        save_ratio = f"{rs / s:5.2f}" if rs else "    -"
+        raw_note = "(memcpy)" if name == "nixl" else ""
+        print(f"{name:9} {dtype:9} {total / 1e6:6.1f} | {s * 1e3:8.1f} {rs * 1e3:7.1f} {save_ratio} | "
+              f"{l * 1e3:8.1f} {rl * 1e3:7.1f} {rl / l:5.2f} | {(rs + rl) / (s + l):16.2f} {raw_note}")
+    print("ratio = raw time / connector time (goal >= 0.5). nixl 'save' is the prefill handoff (per-block checksum "
+          "+ lease), which has no raw counterpart; its end-to-end ratio charges it against the memcpy.")
+
+
+if __name__ == "__main__":
+    main()
