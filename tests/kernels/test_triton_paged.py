@@ -71,3 +71,17 @@ def test_launcher_rejects_bad_shapes():
         paged_attention(torch.zeros(3, 4, 16), kv, meta, 1.0)  # 4 query heads over 3 kv heads
     with pytest.raises(AssertionError):
         paged_attention(torch.zeros(5, 3, 16), kv, meta, 1.0)  # 5 tokens, metadata says 3
+
+
+@pytest.mark.parametrize("case", ["decode-batch-gqa4", "chunks-and-decodes-gqa3"])
+def test_split_keys_match_reference(case):
+    """Flash-decoding style key splits (chosen on GPUs for small decode batches), forced here, incl. empty splits."""
+    block_size, H, Hkv, D, steps = CASES[case]
+    builder = PagedBatchBuilder(num_blocks=16, block_size=block_size, seed=7)
+    kv = torch.randn(16, 2, block_size, Hkv, D)
+    for step in steps:
+        meta, _ = builder.step(step)
+        q = torch.randn(sum(step.values()), H, D)
+        ref = paged_attention_ref(q, kv, meta, 0.25)
+        for splits in (2, 5):
+            torch.testing.assert_close(paged_attention(q, kv, meta, 0.25, num_splits=splits), ref, atol=2e-5, rtol=1e-4)
