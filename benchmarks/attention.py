@@ -137,7 +137,8 @@ def main() -> None:
               f"{nominal / 1e9 if nominal else float('nan'):.0f} GB/s; {args.dtype}, block size {args.block_size}")
         H, Hkv, D = 32, 8, 128  # Llama-3-8B attention
         cases = [("decode B=64 L=1024", 64, 1024, 1), ("decode B=256 L=512", 256, 512, 1),
-                 ("decode B=16 L=4096", 16, 4096, 1), ("prefill B=4 L=1024", 4, 1024, 1024),
+                 ("decode B=16 L=4096", 16, 4096, 1), ("decode B=2 L=16384 (key splits)", 2, 16384, 1),
+                 ("prefill B=4 L=1024", 4, 1024, 1024),
                  ("chunk 512 over 2048 B=4", 4, 2048, 512)]
     else:
         print("no GPU: Triton interpreter smoke run on tiny shapes (timings are not GPU numbers)")

@@ -4,6 +4,8 @@ Each program owns one sequence, one kv head and a tile of BLOCK_Q of that sequen
 (token, query head of the group) pairs, so the group's query heads share every K/V load (decode with GQA fills a tile
 from a single token). Keys are walked BLOCK_N at a time through the block table (any block size), with an online
 softmax in float32 and the causal bound ``key_pos <= query_pos`` where ``query_pos = seq_len - q_len + i``.
+Decode steps too small to fill the GPU split each context's keys across programs (flash-decoding); the per-split
+(max, sum, acc) partials are merged with a few torch ops.
 
 On CUDA the kernel is compiled. On CPU it runs only in Triton's interpreter (slow; tests), which needs
 ``TRITON_INTERPRET=1`` before triton is first imported: ``triton.jit`` and Triton's own library functions choose
