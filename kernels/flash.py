@@ -20,10 +20,11 @@ PAGED_BLOCK_MULTIPLE = 256  # flash-attn's constraint on page_block_size when bl
 
 @register_backend("flash")
 class FlashAttentionBackend(AttentionBackend):
+    """CUDA, fp16/bf16 only (``select_backend`` refuses anything else)."""
+
     name = "flash"
 
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata, scale):
-        assert q.is_cuda and q.dtype in (torch.float16, torch.bfloat16), "flash-attn runs on CUDA in fp16/bf16 only"
         self.write_kv(k, v, kv_layer, meta.slot_mapping)
         block_size = kv_layer.shape[2]
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))  # (S+1,)
