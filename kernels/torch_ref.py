@@ -130,7 +130,11 @@ def _cumsum(lens: list[int]) -> list[int]:
 
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: ``write_kv`` scatter, then :func:`paged_attention_ref`. Runs on any device."""
+    """Reference backend: ``write_kv`` scatter, then :func:`paged_attention_ref`. Runs on any device.
+
+    The step plan is cached by the identity of the metadata object: callers build a fresh ``AttentionMetadata`` per
+    step (as the model runner does) rather than mutating one in place.
+    """
 
     name = "torch"
 
