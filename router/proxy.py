@@ -17,8 +17,6 @@ import json
 import logging
 from typing import Any, Callable
 
-import aiohttp
-
 from pdserve.router.config import RouterConfig
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.framework import Profile, RequestContext
@@ -158,11 +156,11 @@ async def relay(att: Attempt, send: Send, request_id: str) -> str:
     chunks arrive (SSE), never buffering a stream. A pod failing mid-stream ends the stream with an SSE error event."""
     resp = att.resp
     ok = False
-    ctype = resp.headers.get("Content-Type", "application/json").encode()
+    ctype = resp.headers.get("content-type", "application/json").encode()
     headers = [(b"content-type", ctype), (b"x-request-id", request_id.encode())]
     started = False
     try:
-        if resp.headers.get("Content-Length") is not None:
+        if "content-length" in resp.headers:
             data = await resp.read()
             headers.append((b"content-length", str(len(data)).encode()))
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -171,12 +169,12 @@ async def relay(att: Attempt, send: Send, request_id: str) -> str:
         else:
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             started = True
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         ok = True
         return "ok" if resp.status < 400 else f"upstream_{resp.status // 100}xx"
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (asyncio.TimeoutError, OSError) as e:
         log.warning("request %s: upstream %s failed mid-response: %s", request_id, att.endpoint.url, e)
         if not started:
             await send_error(send, 502, f"upstream failed: {e}", code="upstream_error", request_id=request_id)

@@ -14,10 +14,9 @@ import random
 import time
 from typing import Callable
 
-import aiohttp
-
 from pdserve.router.config import RouterConfig
 from pdserve.router.endpoints import Endpoint
+from pdserve.router.http_client import Pool, Response
 from pdserve.router.metrics import RouterMetrics
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -28,7 +27,7 @@ class Attempt:
 
     __slots__ = ("endpoint", "resp", "role", "started", "_metrics", "_done")
 
-    def __init__(self, endpoint: Endpoint, resp: aiohttp.ClientResponse, role: str, started: float,
+    def __init__(self, endpoint: Endpoint, resp: Response, role: str, started: float,
                  metrics: RouterMetrics):
         self.endpoint, self.resp, self.role, self.started, self._metrics = endpoint, resp, role, started, metrics
         self._done = False
@@ -38,10 +37,7 @@ class Attempt:
             return
         self._done = True
         self.endpoint.in_flight -= 1
-        if self.resp.content.is_eof():
-            self.resp.release()
-        else:  # body not fully read (client gone, or cancelled): close, so the pod sees the disconnect and aborts
-            self.resp.close()
+        self.resp.release()  # not fully read (client gone, cancelled): closes, so the pod sees it and aborts
         if not ok:  # the body broke off mid-stream: the pod failed us after all
             self.endpoint.breaker.record_failure()
         self._metrics.child(self._metrics.upstream_latency, self.role).observe(time.perf_counter() - self.started)
@@ -59,17 +55,14 @@ class Upstream:
     def __init__(self, cfg: RouterConfig, metrics: RouterMetrics):
         self.cfg = cfg
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: Pool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=60, enable_cleanup_closed=True)
-        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout, sock_connect=self.cfg.connect_timeout)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.pool = Pool(connect_timeout=self.cfg.connect_timeout, timeout=self.cfg.request_timeout)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
 
     async def dispatch(self, role: str, pick: Callable[[set[str]], Endpoint | None], method: str, path: str,
                        body: bytes | None, headers: dict[str, str], retries: int | None = None) -> Attempt:
@@ -92,12 +85,12 @@ class Upstream:
             ep.breaker.on_dispatch()
             started = time.perf_counter()
             try:
-                resp = await self.session.request(method, ep.url + path, data=body, headers=headers)
+                resp = await self.pool.request(method, ep.url + path, body, headers)
             except asyncio.CancelledError:
                 ep.in_flight -= 1
                 ep.breaker.probing = False
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (asyncio.TimeoutError, OSError) as e:  # http_client's ConnectError/ProtocolError are OSErrors
                 ep.in_flight -= 1
                 ep.breaker.record_failure()
                 kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connect"
