@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class Cluster:
             "--service-account-signing-key-file", str(d / "sa.key"), "--service-cluster-ip-range", "10.96.0.0/16",
             "--allow-privileged=true", "--profiling=false", "--enable-priority-and-fairness=false", "--v", "1"])
         self.kubeconfig = write_kubeconfig(d / "admin.kubeconfig", self.server, d / "ca.crt", self.token)
-        self.http = httpx.Client(base_url=self.server, verify=str(d / "ca.crt"), timeout=30,
+        self.http = httpx.Client(base_url=self.server, verify=ssl.create_default_context(cafile=str(d / "ca.crt")),
+                                 timeout=30,
                                  headers={"Authorization": f"Bearer {self.token}"})
         self._wait(lambda: self.http.get("/readyz").status_code == 200, 90, "kube-apiserver /readyz")
         kc = str(self.kubeconfig)
