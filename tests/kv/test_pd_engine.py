@@ -32,7 +32,7 @@ TEXTS = {
             "Constantinople, and historians still debate",
 }
 TEXTS["shared"] = TEXTS["warm"] + " which emperor did the most to shape the laws that Europe inherited."
-FAULTS = ["delete", "corrupt", "fingerprint", "kill_redis", "lease_expired", "unreachable", "fail_policy"]
+FAULTS = ["delete", "corrupt", "fingerprint", "kill_redis", "lease_expired", "unreachable", "fail_policy", "sync"]
 for i, f in enumerate(FAULTS):
     TEXTS[f] = f"Case {i} ({f}): " + TEXTS["story"]
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
@@ -163,41 +163,49 @@ def _inject(pair, fault, params, prompts):
     return p
 
 
-CASES = {"disk": ["delete", "corrupt", "fingerprint"], "redis": ["kill_redis", "corrupt", "fingerprint"],
-         "nixl": ["lease_expired", "unreachable", "fingerprint"]}
+# "sync": the same fault as the first case, with the load done synchronously inside start_load_kv (the engine then
+# discards the step that ran on the bad blocks) instead of in the background.
+CASES = {"disk": ["delete", "corrupt", "fingerprint", "sync"], "redis": ["kill_redis", "corrupt", "fingerprint", "sync"],
+         "nixl": ["lease_expired", "unreachable", "fingerprint", "sync"]}
+SYNC_FAULT = {"disk": "delete", "redis": "corrupt", "nixl": "unreachable"}
 KIND = {"delete": "missing", "corrupt": "corrupt", "fingerprint": "fingerprint", "kill_redis": "peer_unreachable",
         "lease_expired": "lease_expired", "unreachable": "peer_unreachable"}
 
 
-@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
 def test_fault_recomputes_to_the_same_output(pair, reference, case):
-    fault = CASES[pair.name][case]
     prompts, expected = reference
-    prompt = {fault: prompts[fault]}
+    name = CASES[pair.name][case]
+    fault = SYNC_FAULT[pair.name] if name == "sync" else name
+    prompt = {name: prompts[name]}
+    conn = pair.decode.engine.connector
+    conn.async_load = name != "sync"
     leases = getattr(pair.prefill.engine.connector, "leases", None)
     if fault == "lease_expired":
         leases.lease_s = 0.2
     try:
-        params = pair.handoff(prompt)[fault]
+        params = pair.handoff(prompt)[name]
         if fault == "lease_expired":
             _pump(pair.prefill.engine, 0.5)            # the lease ends; the prefill engine frees (and may reuse) them
         before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
         params = _inject(pair, fault, params, prompts)
         t0 = time.monotonic()
-        out = pair.decode_run(prompt, {fault: params})[fault]
+        out = pair.decode_run(prompt, {name: params})[name]
         assert time.monotonic() - t0 < 120
     finally:
+        conn.async_load = True
         if leases is not None:
             leases.lease_s = 30.0
         if fault == "kill_redis":
             pair.server.start()
-    assert out.error is None and out.outputs[0].token_ids == expected[fault]
+    assert out.error is None and out.outputs[0].token_ids == expected[name]
     key = f"kv_load_failures{{kind={KIND[fault]}}}"
     assert pair.metrics()[key] - before[key] == 1
     stats = pair.decode.engine.get_stats()
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     first_bad = 1 if fault in ("delete", "corrupt") else 0
-    assert stats.recomputed_tokens - stats0.recomputed_tokens == (len(prompts[fault]) - 1) // 16 * 16 - first_bad * 16
+    loaded_end = (len(prompts[name]) - 1) // 16 * 16   # the loaded tokens from the first bad block on are redone
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - first_bad * 16
 
 
 def test_fail_policy_ends_with_a_clean_error(pair, reference):
@@ -212,3 +220,42 @@ def test_fail_policy_ends_with_a_clean_error(pair, reference):
         sched.load_failure_policy = "recompute"
     assert out.finished and out.outputs[0].finish_reason == "error" and out.error and "KV load failed" in out.error
     assert out.outputs[0].token_ids == []
+
+
+def test_prefill_server_killed_after_answering(pair, reference):
+    """A real prefill pod (``pdserve serve --role prefill``) answers over HTTP with kv_transfer_params and is then
+    killed; the decode engine fails the load (peer_unreachable) within its timeouts and recomputes the same output."""
+    if pair.name != "nixl":
+        pytest.skip("only NIXL reads from the prefill process itself (disk/Redis blocks outlive it)")
+    import json
+
+    import httpx
+
+    from tests.support.server import launch_server
+
+    prompts, expected = reference
+    toks = prompts["story"][:-3] + prompts["tiny"][:3]      # a prompt the decode engine has not cached yet
+    ref = _run(pair.decode.engine, [("server-ref", toks, MAX_TOKENS, None)])["server-ref"].outputs[0].token_ids
+    pair.decode.engine.reset_prefix_cache()
+    cfg = json.dumps({"token": "pd-secret", "port": free_port()})
+    with launch_server("--role", "prefill", "--kv-connector", "nixl", "--kv-connector-config", cfg,
+                       "--num-gpu-blocks", str(BLOCKS)) as server:
+        body = {"model": "ignored", "prompt": toks, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "model": _model_name(server)}, timeout=120)
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["remote_port"] and len(params["remote_block_ids"]) == len(toks) // 16
+        server.proc.kill()
+        server.proc.wait(10)
+    before, t0 = pair.metrics(), time.monotonic()
+    out = pair.decode_run({"server": toks}, {"server": params})["server"]
+    assert time.monotonic() - t0 < 60
+    assert out.error is None and out.outputs[0].token_ids == ref
+    assert pair.metrics()["kv_load_failures{kind=peer_unreachable}"] - before["kv_load_failures{kind=peer_unreachable}"] == 1
+
+
+def _model_name(server) -> str:
+    import httpx
+
+    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
