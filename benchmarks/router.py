@@ -266,8 +266,13 @@ async def run_workload(url: str, reqs, concurrency: int, max_tokens: int) -> lis
                     raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
                 first = None
                 async for line in r.content:
+                    # the first chunk with generated text (a leading role-only chunk does not count)
                     if first is None and line.startswith(b"data: {"):
-                        first = time.perf_counter() - t
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        if (choices[0].get("delta") or {}).get("content") or choices[0].get("text"):
+                            first = time.perf_counter() - t
+                if first is None:
+                    raise RuntimeError("stream ended without generated text")
                 ttfts.append(first)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -283,7 +288,7 @@ def part_b(args) -> None:
         for i in range(args.pods):
             port, ev, rp = free_port(), free_port(), free_port()
             cmd = [PY, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks",
-                   str(args.num_gpu_blocks), "--max-model-len", "2048", "--kv-events-port", str(ev),
+                   str(args.num_gpu_blocks), "--max-model-len", "512", "--kv-events-port", str(ev),
                    "--kv-events-replay-port", str(rp)]
             procs.append((cmd, port))
             url = f"http://127.0.0.1:{port}"

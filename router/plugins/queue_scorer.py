@@ -1,6 +1,8 @@
 """Queue scorer: fewer waiting requests (``vllm:num_requests_waiting`` scraped from the pod) is better.
 
-Min-max normalised over the candidates like GIE's: score = 1 - (w - min) / (max - min); all equal -> 1.
+score = 1 / (1 + waiting / scale): 1 for an empty queue, 0.5 at ``scale`` waiting requests. A saturating curve rather
+than GIE's min-max normalisation, so that one waiting request on a small deployment does not cost a pod the scorer's
+whole weight (which would outvote a long cached prefix); the load guard handles real imbalance.
 """
 
 from __future__ import annotations
@@ -9,14 +11,14 @@ from pdserve.router.endpoints import Endpoint
 from pdserve.router.framework import RequestContext, Scorer, register
 
 
-def min_max_inverse(values: list[float]) -> list[float]:
-    lo, hi = min(values), max(values)
-    if hi <= lo:
-        return [1.0] * len(values)
-    return [1.0 - (v - lo) / (hi - lo) for v in values]
+def saturating(values: list[float], scale: float) -> list[float]:
+    return [1.0 / (1.0 + max(0.0, v) / scale) for v in values]
 
 
 @register("queue")
 class QueueScorer(Scorer):
+    def __init__(self, scale: float = 4.0):
+        self.scale = scale
+
     def score(self, ctx: RequestContext, pods: list[Endpoint]) -> list[float]:
-        return min_max_inverse([p.waiting for p in pods])
+        return saturating([p.waiting for p in pods], self.scale)

@@ -100,13 +100,12 @@ def test_precise_prefix_scorer_fraction_of_blocks():
 
 
 def test_queue_kv_inflight_scorers():
-    pods = [ep("a", waiting=0, kv_usage=0.25, in_flight=2), ep("b", waiting=5, kv_usage=1.0, in_flight=4),
-            ep("c", waiting=10, kv_usage=1.2, in_flight=3)]
-    assert create("queue").score(ctx(), pods) == [1.0, 0.5, 0.0]
+    pods = [ep("a", waiting=0, kv_usage=0.25, in_flight=2), ep("b", waiting=4, kv_usage=1.0, in_flight=4),
+            ep("c", waiting=12, kv_usage=1.2, in_flight=12)]
+    assert create("queue").score(ctx(), pods) == [1.0, 0.5, 0.25]          # 1 / (1 + w/4)
     assert create("kv-usage").score(ctx(), pods) == [0.75, 0.0, 0.0]
-    assert create("in-flight").score(ctx(), pods) == [1.0, 0.0, 0.5]
-    same = [ep("a", waiting=3), ep("b", waiting=3)]
-    assert create("queue").score(ctx(), same) == [1.0, 1.0]
+    assert create("in-flight").score(ctx(), pods) == pytest.approx([2 / 3, 0.5, 0.25])
+    assert create("queue", scale=1.0).score(ctx(), [ep("x", waiting=1)]) == [0.5]
 
 
 def test_session_affinity_is_sticky_and_survives_other_pods_leaving():
@@ -154,12 +153,15 @@ def test_pickers():
 def test_precise_profile_weighted_sum_hand_computed():
     idx = PrefixIndex()
     idx.store("http://a", H[:3])
-    a = ep("http://a", waiting=4, kv_usage=0.5, in_flight=1)
+    a = ep("http://a", waiting=8, kv_usage=0.5, in_flight=1)
     b = ep("http://b", waiting=0, kv_usage=0.0, in_flight=0)
     prof = build_profile(RouterConfig(policy="precise-prefix"), idx)
     d = prof.schedule(ctx(block_hashes=H), [a, b])
-    # a: 3*0.75 + 2*0 (queue) + 2*0.5 (kv) + 1*0 (in-flight) = 3.25;  b: 0 + 2*1 + 2*1 + 1*1 = 5.0
+    # a: 3*0.75 + 2*(1/3) (queue) + 2*0.5 (kv) + 1*0.8 (in-flight) = 4.717;  b: 0 + 2*1 + 2*1 + 1*1 = 5.0
     assert d.endpoint is b and d.score == pytest.approx(5.0)
+    assert d.scores["queue"] == pytest.approx([1 / 3, 1.0]) and d.scores["in-flight"] == pytest.approx([0.8, 1.0])
+    a.waiting = 4  # a: 2.25 + 2*0.5 + 1 + 0.8 = 5.05 > 5.0: a long cached prefix outweighs a little load
+    assert prof.schedule(ctx(block_hashes=H), [a, b]).endpoint is a
     idx.store("http://a", H[3:])
     a.waiting, a.in_flight = 0, 0
     d = prof.schedule(ctx(block_hashes=H), [a, b])
