@@ -71,6 +71,11 @@ class LoadingConnector(KVConnectorBase):
         """Load ``job.blocks`` into the cache; return {block_id: error} for the blocks that failed."""
         raise NotImplementedError
 
+    def _watchdog_s(self) -> float:
+        """How long an async load may run before it is cancelled and reported timed out; longer than the sum of the
+        load's own timeouts, so that it only catches a load stuck where no timeout applies."""
+        return self.load_timeout_s * 2 + 1.0
+
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         return False, None
 
@@ -132,7 +137,7 @@ class LoadingConnector(KVConnectorBase):
             if job is None:
                 continue
             if job.is_async:
-                job.deadline = time.monotonic() + self.load_timeout_s * 2 + 5.0
+                job.deadline = time.monotonic() + self._watchdog_s()
                 with self._lock:
                     self._running[rid] = job
                 self._pool.submit(self._run, job)

@@ -15,7 +15,8 @@ lease alive while a long one runs), then ``done``: only a lease that was still v
 freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens.
 Finally each block's checksum is re-checked (``verify_checksums``, default on for CPU caches).
 
-Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host), ``token`` (else
+Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
+is 0.0.0.0), ``token`` (else
 PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s`` (10), ``verify_checksums``,
 ``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001), ``progress_grace_s`` (10).
 
@@ -28,6 +29,7 @@ while a reader may come.
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -138,6 +140,8 @@ class NixlConnector(LoadingConnector):
         self.host = str(config.get("host", "127.0.0.1"))
         self.port = int(config.get("port", 0))
         self.advertise_host = str(config.get("advertise_host") or self.host)
+        if self.advertise_host in ("0.0.0.0", "::", ""):   # bound to every interface: advertise this host's address
+            self.advertise_host = socket.gethostbyname(socket.gethostname())
         token = config.get("token") or envs.kv_transfer_token()
         if not token:
             logger.warning("nixl: no side-channel token configured (token / PDSERVE_KV_TOKEN); using an empty key")
@@ -316,6 +320,8 @@ class NixlConnector(LoadingConnector):
             next_beat = time.monotonic() + self.leases.lease_s / 3
             while state == "PROC":
                 now = time.monotonic()
+                if job.cancelled:
+                    raise LoadTimeout("load cancelled by the watchdog")
                 if now > deadline:
                     raise LoadTimeout(f"NIXL READ of {len(local)} blocks not done within {self.load_timeout_s}s")
                 if lease_id and now > next_beat:   # a long transfer keeps its lease alive
@@ -337,6 +343,10 @@ class NixlConnector(LoadingConnector):
                     handle.release()   # aborts a transfer still in flight
             except Exception as e:
                 logger.warning("nixl: releasing a transfer handle failed: %r", e)
+
+    def _watchdog_s(self) -> float:
+        # handshake + READ (heartbeats during it are bounded by the READ deadline's loop) + done, with slack
+        return self.load_timeout_s + 3 * self.handshake_timeout_s + 5.0
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "kv_leases_active": len(self.leases), "kv_leases_expired": self.leases.num_expired}

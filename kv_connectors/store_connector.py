@@ -46,8 +46,8 @@ class BlockStore(ABC):
         ...
 
     def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
-        """Optional zero-copy read: the payload straight into ``dest``, returning the parsed (unverified) header.
-        Raises MissingBlock / TruncatedBlock / CorruptBlock. Stores without it return None from ``direct``."""
+        """Optional single-copy read: the payload straight into ``dest``, returning the parsed (unverified) header.
+        Raises MissingBlock / TruncatedBlock / CorruptBlock."""
         raise NotImplementedError
 
     direct = False   # True when read_into is implemented
@@ -74,6 +74,7 @@ class StoreConnector(LoadingConnector):
         self._store_down_until = 0.0
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
         self._known_lock = threading.Lock()
+        self._tls = threading.local()
 
     def _make_store(self, config: dict[str, Any]) -> BlockStore:
         raise NotImplementedError
@@ -103,15 +104,19 @@ class StoreConnector(LoadingConnector):
         if params.get("do_remote_prefill") and params.get("fingerprint") not in (None, self.fingerprint):
             raise FingerprintMismatch(f"prefill fingerprint {params['fingerprint']} != ours {self.fingerprint}")
         errors: dict[int, KVLoadError] = {}
-        if self.store.direct and self.kv_cache.device.type == "cpu":
+        if self.store.direct:
+            # Read into this thread's staging buffer (no lock held during IO, so a stuck disk cannot stall the engine
+            # and the watchdog can always cancel), verify, then memcpy into the cache under the lock.
+            staging = getattr(self._tls, "staging", None)
+            if staging is None or len(staging) != self.spec.block_bytes:
+                staging = self._tls.staging = memoryview(bytearray(self.spec.block_bytes))
             for _, block_id, h in job.blocks:
                 try:
-                    with self._lock:   # the payload lands in the cache: only while the job still owns the block
-                        if job.cancelled:
-                            raise LoadTimeout("load cancelled after its deadline")
-                        dest = block_codec.tensor_bytes(self.kv_cache[block_id])
-                        header = self.store.read_into(h, dest)
-                        block_codec.verify(header, dest, self.fingerprint, h, self.dtype, self.block_shape)
+                    if job.cancelled:
+                        raise LoadTimeout("load cancelled after its deadline")
+                    header = self.store.read_into(h, staging)
+                    block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
+                    self._write_block(job, block_id, staging)
                 except KVLoadError as e:
                     errors[block_id] = e
             self._remember([h for _, b, h in job.blocks if b not in errors])

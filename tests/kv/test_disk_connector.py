@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -126,3 +127,21 @@ def test_atomic_writes_never_expose_partial_records(tmp_path):
         stop.set()
         t.join()
     assert errors == [] and not list(tmp_path.glob("**/.tmp-*"))
+
+
+def test_overrunning_load_is_cancelled_and_reported(tmp_path, monkeypatch):
+    """A load stuck past its deadline is reported finished with its blocks invalid; its late writes are dropped."""
+    p, d = _pair(tmp_path, load_timeout_s=0.2)
+    params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
+    real = type(d.store).read_into
+
+    def stuck(self, h, dest):
+        time.sleep(2.0)
+        return real(self, h, dest)
+
+    monkeypatch.setattr(type(d.store), "read_into", stuck)
+    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15], timeout=10)
+    assert res.bad_blocks == {10, 11, 12, 13, 14} and d.metrics()["kv_load_failures{kind=timeout}"] == 1
+    time.sleep(2.5)                                  # the stuck thread wakes up: it must not write into the cache
+    assert not d.kv_cache[10:15].any()
+    assert d.get_finished() == (set(), set()) and not d.get_block_ids_with_load_errors()

@@ -103,3 +103,21 @@ def test_redis_killed_mid_run_loads_fail_fast_and_saves_are_skipped():
         p2.register_kv_caches(p.kv_cache)
         params = prefill(p2, Req("r2", PROMPT, {"do_remote_decode": True}), IDS)
         assert not load(d2, Req("r2", PROMPT, params), [10, 11, 12, 13, 14, 15, 16]).bad_blocks
+
+
+def test_unresponsive_redis_times_out_cleanly():
+    """A server that accepts connections but never answers: loads fail as timeouts, lookups miss, nothing hangs."""
+    import socket
+
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(16)
+        url = f"redis://127.0.0.1:{blackhole.getsockname()[1]}/0"
+        d = create_connector("redis", "decode", {"url": url, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5}, SPEC)
+        d.register_kv_caches(make_cache())
+        req = Req("r", PROMPT)
+        params = {"do_remote_prefill": True, "fingerprint": SPEC.fingerprint(),
+                  "block_hashes": [h.hex() for h in req.block_hashes]}
+        res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16], timeout=20)
+        assert res.bad_blocks == set(range(10, 16)) and d.metrics()["kv_load_failures{kind=timeout}"] == 1
+        assert load(d, Req("x", PROMPT), [1, 2, 3, 4, 5, 6, 7], timeout=20).num_tokens == 0
