@@ -321,8 +321,9 @@ def part_b(args) -> None:
         if args.order == "reverse":
             runs.reverse()
         results = []
-        for name, make in runs:
-            reqs = workload(args, salt=name.split()[-1])
+        for run_index, (name, make) in enumerate(runs):
+            # same-length salts: every policy gets prompts of identical token counts (same block alignment)
+            reqs = workload(args, salt=f"run{run_index}")
             with make() as url:
                 # warm-up request outside the measurement (connection setup, first-request paths)
                 asyncio.run(run_workload(url, [(0, [{"role": "user", "content": f"hi {name}"}])], 1, 1))

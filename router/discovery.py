@@ -120,8 +120,9 @@ class PodWatcher:
 class KubePodSource:
     """``PodSource`` over the Kubernetes API (in-cluster config, else ~/.kube/config or KUBECONFIG)."""
 
-    def __init__(self, selector: str, namespace: str | None, watch_timeout: int = 30, request_timeout: float = 10.0):
-        self.selector, self.namespace = selector, namespace
+    def __init__(self, selector: str, namespace: str | None, watch_timeout: int = 30, request_timeout: float = 10.0,
+                 kubeconfig: str | None = None):
+        self.selector, self.namespace, self.kubeconfig = selector, namespace, kubeconfig
         self.watch_timeout, self.request_timeout = watch_timeout, request_timeout
         self.api = None
 
@@ -130,12 +131,14 @@ class KubePodSource:
             from kubernetes_asyncio import client, config
 
             try:
+                if self.kubeconfig:
+                    raise config.ConfigException("explicit kubeconfig")
                 config.load_incluster_config()
                 if self.namespace is None:
                     with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
                         self.namespace = f.read().strip()
             except config.ConfigException:
-                await config.load_kube_config()
+                await config.load_kube_config(config_file=self.kubeconfig)
             self.namespace = self.namespace or "default"
             self.api = client.CoreV1Api(client.ApiClient())
         return self.api
