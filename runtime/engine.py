@@ -172,8 +172,8 @@ class LLMEngine:
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)
         progressed = self.scheduler.update_from_output(sched_out, sampled)
-        if not sched_out.scheduled and not progressed and self.scheduler.has_pending_kv_transfers():
-            time.sleep(0.001)  # only transfers in flight: do not spin a core while polling the connector
+        if not sched_out.scheduled and not progressed:
+            time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
         now = time.time()
         outputs = []
         for req in progressed:

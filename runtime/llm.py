@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 from pdserve.runtime.config import EngineConfig
@@ -69,8 +68,6 @@ class LLM:
                     done[out.request_id] = out
             if not outputs and not self.engine.scheduler.has_unfinished_requests():
                 raise RuntimeError(f"engine idle with {len(pending)} unfinished requests")
-            if not outputs and not self.engine.scheduler.running:
-                time.sleep(0.001)  # only remote KV loads in flight
         return [done[i] for i in ids]
 
     def get_stats(self):
