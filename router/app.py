@@ -61,6 +61,7 @@ class RouterApp:
             if sub is not None:
                 sub[1].cancel()
             self.index.forget_pod(ep.url)
+            self.index.forget_history(ep.url)
         elif ep.kv_events is not None and self.router.precise:
             s = KVEventSubscriber(ep.url, ep.kv_events, self.index, self.metrics)
             self._subscribers[ep.url] = (s, asyncio.get_running_loop().create_task(s.run()))

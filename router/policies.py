@@ -1,11 +1,11 @@
 """Named routing policies: which filters, weighted scorers and picker make up a scheduling profile.
 
-| policy            | filters              | scorers (weight)                                      | picker       |
-|-------------------|----------------------|-------------------------------------------------------|--------------|
-| precise-prefix    | health, load-guard   | precise-prefix 3, queue 2, kv-usage 2, in-flight 1    | max-score    |
-| round-robin       | health               | -                                                     | round-robin  |
-| least-loaded      | health               | -                                                     | least-loaded |
-| session-affinity  | health               | session-affinity 10, in-flight 1                      | max-score    |
+| policy            | filters            | scorers (weight)                                                       | picker       |
+|-------------------|--------------------|------------------------------------------------------------------------|--------------|
+| precise-prefix    | health, load-guard | precise-prefix 3, route-history 1, queue 2, kv-usage 2, in-flight 1    | max-score    |
+| round-robin       | health             | -                                                                      | round-robin  |
+| least-loaded      | health             | -                                                                      | least-loaded |
+| session-affinity  | health             | session-affinity 10, in-flight 1                                       | max-score    |
 
 Weights follow GIE/llm-d (prefix 3, queue 2, kv-util 2); ``RouterConfig.weights`` overrides any of them.
 """
@@ -16,7 +16,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.framework import Profile, create
 from pdserve.router.prefix_index import PrefixIndex
 
-DEFAULT_WEIGHTS = {"precise-prefix": 3.0, "queue": 2.0, "kv-usage": 2.0, "in-flight": 1.0, "session-affinity": 10.0}
+DEFAULT_WEIGHTS = {"precise-prefix": 3.0, "route-history": 1.0, "queue": 2.0, "kv-usage": 2.0, "in-flight": 1.0,
+                   "session-affinity": 10.0}
 
 
 def needs_tokens(policy: str) -> bool:
@@ -29,7 +30,8 @@ def build_profile(cfg: RouterConfig, index: PrefixIndex) -> Profile:
     health = create("health")
     if cfg.policy == "precise-prefix":
         guard = create("load-guard", abs_threshold=cfg.balance_abs_threshold, rel_threshold=cfg.balance_rel_threshold)
-        scorers = [(create("precise-prefix", index=index), w["precise-prefix"]), (create("queue"), w["queue"]),
+        scorers = [(create("precise-prefix", index=index), w["precise-prefix"]),
+                   (create("route-history", index=index), w["route-history"]), (create("queue"), w["queue"]),
                    (create("kv-usage"), w["kv-usage"]), (create("in-flight"), w["in-flight"])]
         return Profile([health, guard], scorers, create("max-score"))
     if cfg.policy == "round-robin":

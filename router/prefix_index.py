@@ -7,6 +7,9 @@ Contract:
   count as cached there for ``ttl`` seconds, bridging the gap until the pod's own BlockStored events arrive.
 - ``match(hashes, pods)`` returns, per pod, the length of the longest *consecutive* run of ``hashes`` from the first
   block that the pod holds (real or unexpired speculative), weighted by medium (GPU 1.0, CPU-tier lower).
+- ``match_history(hashes, pods)``: the same over the router's routing history (the pod each block was last sent
+  to, bounded memory, no expiry). It outlives evictions on purpose: sending a tenant back to where it was last
+  routed re-warms one pod instead of migrating the prefix and evicting someone else's (stickiness under pressure).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ MEDIUM_WEIGHT = {"GPU": 1.0, None: 1.0, "CPU": 0.8, "CPU_TIER": 0.8, "DISK": 0.2
 
 
 class PrefixIndex:
-    def __init__(self, ttl: float = 2.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float = 2.0, clock: Callable[[], float] = time.monotonic, history_size: int = 1 << 18):
         self.ttl = ttl
         self.clock = clock
+        self.history_size = history_size
+        self._history: dict[bytes, str] = {}                    # hash -> pod it was last routed to
         self._blocks: dict[bytes, dict[str, float]] = {}       # hash -> {pod: weight}
         self._by_pod: dict[str, set[bytes]] = {}                # pod -> hashes (for forget/clear)
         self._spec: dict[bytes, dict[str, float]] = {}          # hash -> {pod: expiry}
@@ -63,10 +68,35 @@ class PrefixIndex:
         for h in [h for h, pods in self._spec.items() if pod in pods]:
             self._drop_spec(h, pod)
 
+    def forget_history(self, pod: str) -> None:
+        """The pod left: its routing history means nothing any more."""
+        for h in [h for h, p in self._history.items() if p == pod]:
+            del self._history[h]
+
     def add_speculative(self, pod: str, hashes: Sequence[bytes]) -> None:
+        """Record a routing decision: speculative entries (``ttl``) and the routing history."""
         expiry = self.clock() + self.ttl
+        if len(self._history) + len(hashes) > self.history_size:
+            self._history.clear()  # crude bound; hot prefixes are re-learned on their next request
         for h in hashes:
             self._spec.setdefault(h, {})[pod] = expiry
+            self._history[h] = pod
+
+    def match_history(self, hashes: Sequence[bytes], pods: Iterable[str]) -> dict[str, int]:
+        """Per pod, the leading consecutive blocks of ``hashes`` last routed to it."""
+        result = {p: 0 for p in pods}
+        if not hashes:
+            return result
+        first = self._history.get(hashes[0])
+        if first not in result:
+            return result
+        n = 0
+        for h in hashes:
+            if self._history.get(h) != first:
+                break
+            n += 1
+        result[first] = n
+        return result
 
     def purge_expired(self) -> None:
         now = self.clock()

@@ -10,5 +10,6 @@ from pdserve.router.plugins import (  # noqa: F401
     precise_prefix,
     queue_scorer,
     round_robin,
+    route_history,
     session_affinity,
 )

@@ -30,6 +30,7 @@ class FakeState:
     status: int = 200                # answer generation requests with this status (non-200: an error body)
     healthy: bool = True
     kv_params: bool = True           # as prefill, return kv_transfer_params
+    kv_params_value: dict | None = None  # ... exactly these (else made-up NIXL-style ones)
     stream_chunks: int = 3
     chunk_delay: float = 0.0         # seconds between SSE chunks
     delay: float = 0.0               # seconds before answering (headers)
@@ -111,6 +112,8 @@ class FakePod:
             params = ({"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
                        "remote_engine_id": f"engine-{st.name}", "remote_request_id": headers.get("x-request-id"),
                        "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1} if st.kv_params else None)
+            if st.kv_params and st.kv_params_value is not None:
+                params = st.kv_params_value
             await _send(send, 200, json.dumps(completion_json(st.name, path, "p", params)).encode())
             return
         if not req.get("stream"):

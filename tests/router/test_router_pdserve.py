@@ -167,6 +167,30 @@ def test_vllm_router_pd_interop(cluster):
         assert metric(cluster["D"].url, "pdserve:kv_load_failures_total") == failures
 
 
+def test_decode_kv_load_failure_still_answers_correctly(cluster, reference, make_router, tokenizer):
+    """A prefill pod hands over blocks that are not in the store (a stand-in for a lost transfer): the decode pod's
+    load fails, it recomputes, and the client still gets the monolithic pod's greedy answer."""
+    from pdserve.router.prompt import block_hashes
+    from tests.router.fake_pod import FakePod, FakeState, ServerThread
+
+    D = cluster["D"]
+    ids = tokenizer.token_ids("/v1/chat/completions", {"messages": MESSAGES})
+    lost = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone", "tp_size": 1,
+            "remote_block_ids": list(range(len(ids) // 16)), "remote_request_id": "x", "remote_host": None,
+            "remote_port": None, "connector": "disk",
+            "block_hashes": [h.hex() for h in block_hashes(ids, 16, "lost-blocks")]}
+    # salted hashes never exist in the store; send the same salt so the decode pod's own hashes match them
+    with ServerThread(FakePod(FakeState(name="lossy", kv_params_value=lost))) as fake:
+        app, r = make_router(RouterConfig(prefill=(fake.url,), decode=(D.url,), pd_threshold=32, request_timeout=120),
+                             tokenizer=tokenizer)
+        failures = metric(D.url, "pdserve:kv_load_failures_total")
+        c = openai.OpenAI(base_url=r.url + "/v1", api_key="x", timeout=120)
+        chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, **GREEDY,
+                                         extra_body={"cache_salt": "lost-blocks"})
+    assert chat.choices[0].message.content == reference[0]
+    assert metric(D.url, "pdserve:kv_load_failures_total") > failures
+
+
 def test_fallback_to_decode_when_prefill_dies(cluster, reference, make_router, tokenizer):
     P, D = cluster["P"], cluster["D"]
     app, r = make_router(RouterConfig(prefill=(P.url,), decode=(D.url,), pd_threshold=32, request_timeout=120,

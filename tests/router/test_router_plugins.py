@@ -81,6 +81,26 @@ def test_index_speculative_entries_expire():
     assert idx.match(H, ["a"]) == {"a": 0.0}
 
 
+def test_route_history_outlives_evictions_and_speculation():
+    clock = Clock()
+    idx = PrefixIndex(ttl=2.0, clock=clock)
+    idx.add_speculative("a", H[:3])
+    idx.add_speculative("b", H[:1])                      # block 0 was last routed to b: a's run starts nowhere
+    assert idx.match_history(H, ["a", "b"]) == {"a": 0, "b": 1}
+    idx.add_speculative("a", H)
+    clock.t += 100                                        # speculative entries long gone, history stays
+    assert idx.match(H, ["a"]) == {"a": 0.0} and idx.match_history(H, ["a", "b"]) == {"a": 4, "b": 0}
+    pods = [ep("a"), ep("b")]
+    assert create("route-history", index=idx).score(ctx(block_hashes=H), pods) == [1.0, 0.0]
+    assert create("route-history", index=idx).score(ctx(block_hashes=H[:2] + [b"x" * 32]), pods) == [2 / 3, 0.0]
+    idx.forget_history("a")
+    assert idx.match_history(H, ["a"]) == {"a": 0}
+    small = PrefixIndex(history_size=3)
+    small.add_speculative("a", H[:2])
+    small.add_speculative("b", H[2:])                     # 4 > 3 entries: history reset before recording
+    assert small.match_history(H[2:], ["b"]) == {"b": 2} and small.match_history(H, ["a"]) == {"a": 0}
+
+
 def test_router_hashes_equal_the_runtime_hashes_with_salt():
     assert block_hashes(TOKENS, 16, None) == H
     salted = block_hashes(TOKENS, 16, "tenant-1")
