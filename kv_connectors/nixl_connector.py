@@ -28,7 +28,6 @@ while a reader may come.
 
 from __future__ import annotations
 
-import secrets
 import socket
 import threading
 import time
@@ -48,76 +47,9 @@ from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_c
 from pdserve.kv_connectors.block_codec import ALGO_CRC32, checksum, default_algo, tensor_bytes
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
                                                LoadTimeout, PeerUnreachable, logger)
+from pdserve.kv_connectors.leases import LeaseTable
 from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
 from pdserve.runtime import envs
-
-
-@dataclass
-class Lease:
-    request_id: str
-    block_ids: list[int]
-    expires: float
-    state: str = "active"   # active -> done | expired
-
-
-class LeaseTable:
-    """Prefill side: blocks held for a decode reader. ``done`` and expiry are decided under one lock, so a reader
-    told "valid" read blocks that were never released."""
-
-    def __init__(self, lease_s: float) -> None:
-        self.lease_s = lease_s
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._leases: dict[str, Lease] = {}
-        self.num_expired = 0
-
-    def grant(self, request_id: str, block_ids: list[int]) -> str:
-        lease_id = secrets.token_hex(16)
-        with self._lock:
-            self._leases[lease_id] = Lease(request_id, block_ids, time.monotonic() + self.lease_s)
-            self._changed.notify_all()
-        return lease_id
-
-    def wait_active(self, timeout: float) -> bool:
-        """Block until some lease is held (True) or ``timeout`` passes (False)."""
-        with self._lock:
-            return self._changed.wait_for(lambda: bool(self._leases), timeout)
-
-    def _live(self, lease_id: str) -> Lease | None:
-        lease = self._leases.get(lease_id)
-        return lease if lease and lease.state == "active" and time.monotonic() <= lease.expires else None
-
-    def heartbeat(self, lease_id: str) -> bool:
-        with self._lock:
-            lease = self._live(lease_id)
-            if lease:
-                lease.expires = time.monotonic() + self.lease_s
-            return lease is not None
-
-    def done(self, lease_id: str) -> bool:
-        with self._lock:
-            lease = self._live(lease_id)
-            if lease:
-                lease.state = "done"
-            return lease is not None
-
-    def reap(self) -> set[str]:
-        """Request ids whose blocks may be freed now (lease done or expired); each is returned once."""
-        now, freed = time.monotonic(), set()
-        with self._lock:
-            for lease_id, lease in list(self._leases.items()):
-                if lease.state == "active" and now > lease.expires:
-                    lease.state = "expired"
-                    self.num_expired += 1
-                    logger.warning("nixl: lease of request %s expired; freeing its %d blocks",
-                                   lease.request_id, len(lease.block_ids))
-                if lease.state != "active":
-                    freed.add(lease.request_id)
-                    del self._leases[lease_id]   # a late reader's heartbeat/done now answers "not valid"
-        return freed
-
-    def __len__(self) -> int:
-        return len(self._leases)
 
 
 @dataclass

@@ -5,7 +5,6 @@ failure counted. Engines are built once per connector (module scope) with a smal
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import pytest
