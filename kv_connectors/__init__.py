@@ -1,0 +1,27 @@
+"""KV connectors: how prefill and decode pods (and a shared prefix cache) move KV blocks. See ``base.py`` for the
+contract; ``create_connector(name, role, config, spec)`` imports ``<name>_connector`` on first use.
+
+=========  ==========================================================================================================
+nixl       decode READs the prefill pod's registered cache (UCX); authenticated side channel, leases, checksums.
+           config: host, port, advertise_host, token (or PDSERVE_KV_TOKEN), lease_s, handshake_timeout_s,
+           load_timeout_s, verify_checksums, progress_interval_s, progress_grace_s, backends
+redis      blocks under their hash with a TTL (a prefix cache shared by every pod); pipelined; auth and TLS.
+           config: url (required), password, username, ttl_s, socket_timeout_s, connect_timeout_s, key_prefix,
+           ssl, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs
+disk       one file per block under a (shared) directory, atomic writes, size-capped LRU.
+           config: path (required), max_bytes
+all        async_load (true), load_timeout_s, load_threads; redis/disk also save, load, retry_after_s,
+           handoff_timeout_s, engine_id
+=========  ==========================================================================================================
+
+Layout: ``block_codec`` (the on-wire/on-disk block record), ``load_errors`` (typed failures + counters), ``loading``
+(shared load bookkeeping), ``store_connector`` (disk/Redis logic over a ``BlockStore``), ``side_channel`` and
+``leases`` (NIXL's control plane).
+
+Metrics (``connector.metrics()``; keys carry Prometheus-style labels): ``kv_load_failures{kind=missing|corrupt|
+fingerprint|timeout|peer_unreachable|lease_expired}`` (failed request loads), ``kv_blocks_loaded``,
+``kv_bytes_loaded``, ``kv_blocks_load_failed``, ``kv_blocks_saved``, ``kv_bytes_saved``, ``kv_saves_skipped``,
+``kv_store_errors``; NIXL adds ``kv_leases_active``, ``kv_leases_expired``, ``kv_leases_released``,
+``kv_peer_handshakes``, ``kv_peers_dropped``, ``kv_side_channel_auth_failures``. Every failure is also logged with the
+request id.
+"""
