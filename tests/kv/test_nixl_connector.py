@@ -192,3 +192,19 @@ def test_cross_process_read_then_prefill_dies(decode):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_side_channel_survives_garbage_and_binds_only_its_address(prefill_conn):
+    assert prefill_conn.server.host == "127.0.0.1"
+    for junk in (b"\xff" * 64, b"\x7f\xff\xff\xff" + b"x" * 10, b""):        # bad msgpack, a 2 GiB length, nothing
+        with socket.create_connection(("127.0.0.1", prefill_conn.port), timeout=5) as s:
+            s.recv(4096)                                                   # the challenge
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(5)
+            try:
+                s.recv(4096)
+            except OSError:
+                pass
+    meta = side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "meta")
+    assert meta["engine_id"] == prefill_conn.engine_id and meta["fingerprint"] == SPEC.fingerprint()
