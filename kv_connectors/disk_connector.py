@@ -91,6 +91,15 @@ class DiskStore(BlockStore):
     def contains_many(self, hashes: list[bytes]) -> list[bool]:
         return [self._path(h).exists() for h in hashes]
 
+    def delete_many(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            try:
+                os.unlink(self._path(h))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise KVLoadError(f"disk delete failed: {e}") from e
+
     def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
         path = self._path(block_hash)
         try:

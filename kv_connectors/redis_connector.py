@@ -3,7 +3,7 @@ prefix cache shared by every pod of a deployment (and as the P/D handoff medium)
 
 Every call has a socket timeout and no client-side retries, so a Redis that is down makes loads fail within about
 ``socket_timeout_s`` (reported as ``peer_unreachable`` or ``timeout`` load errors) and saves be skipped and counted;
-after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 16 blocks) and reads (one round trip per
+after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 32 blocks) and reads (one round trip per
 load) are pipelined; a read refreshes the block's TTL (GETEX), so hot prefixes stay.
 
 Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:password), ``password``, ``username``,
@@ -25,7 +25,7 @@ from pdserve.kv_connectors.load_errors import KVLoadError, LoadTimeout, PeerUnre
 from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
 
 
-_CHUNK = 16
+_CHUNK = 32
 
 
 def _translate(e: redis.RedisError) -> KVLoadError:
@@ -98,6 +98,12 @@ class RedisStore(BlockStore):
                 for h in hashes:
                     pipe.exists(self.key(h))
                 return [bool(n) for n in pipe.execute()]
+        except redis.RedisError as e:
+            raise _translate(e) from e
+
+    def delete_many(self, hashes: list[bytes]) -> None:
+        try:
+            self.client.delete(*[self.key(h) for h in hashes])
         except redis.RedisError as e:
             raise _translate(e) from e
 

@@ -26,7 +26,8 @@ import torch
 
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
-from pdserve.kv_connectors.load_errors import FingerprintMismatch, KVLoadError, LoadTimeout, MissingBlock, logger
+from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LoadTimeout,
+                                               MissingBlock, logger)
 from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
 
 
@@ -51,6 +52,10 @@ class BlockStore(ABC):
         raise NotImplementedError
 
     direct = False   # True when read_into is implemented
+
+    @abstractmethod
+    def delete_many(self, hashes: list[bytes]) -> None:
+        """Remove records (absent ones are fine)."""
 
     def close(self) -> None:
         pass
@@ -119,8 +124,7 @@ class StoreConnector(LoadingConnector):
                     self._write_block(job, block_id, staging)
                 except KVLoadError as e:
                     errors[block_id] = e
-            self._remember([h for _, b, h in job.blocks if b not in errors])
-            return errors
+            return self._after_load(job, errors)
         records = self.store.get_many([h for _, _, h in job.blocks])
         for (_, block_id, h), data in zip(job.blocks, records):
             try:
@@ -132,7 +136,22 @@ class StoreConnector(LoadingConnector):
                 self._write_block(job, block_id, payload)
             except KVLoadError as e:
                 errors[block_id] = e
+        return self._after_load(job, errors)
+
+    def _after_load(self, job: LoadJob, errors: dict[int, KVLoadError]) -> dict[int, KVLoadError]:
         self._remember([h for _, b, h in job.blocks if b not in errors])   # in the store already: never re-save
+        # A damaged record would fail every reader until it expires, and a handoff would not rewrite it (it is
+        # "present"): delete it, so the next save of that block replaces it.
+        bad = [h for _, b, h in job.blocks if isinstance(errors.get(b), CorruptBlock)]
+        if bad:
+            with self._known_lock:
+                for h in bad:
+                    self._known.pop(h, None)
+            try:
+                self.store.delete_many(bad)
+                self.stats.add("kv_corrupt_blocks_deleted", len(bad))
+            except KVLoadError as e:
+                logger.warning("%s: could not delete %d damaged blocks: %s", self.name, len(bad), e)
         return errors
 
     # ---- saving --------------------------------------------------------------------------------------------------

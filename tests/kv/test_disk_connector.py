@@ -78,6 +78,10 @@ def test_damaged_block_reported_as_load_error(tmp_path, fault, kind):
     assert res.bad_blocks == {12}
     m = d.metrics()
     assert m[f"kv_load_failures{{kind={kind}}}"] == 1 and m["kv_blocks_loaded"] == 4
+    assert not victim.exists()                            # a damaged record is deleted ...
+    params = prefill(p, Req("r2", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
+    assert victim.exists()                                # ... so the next handoff writes it again
+    assert not load(d, Req("r2", PROMPT, params), [10, 11, 12, 13, 14, 15]).bad_blocks
 
 
 def test_fingerprint_mismatch_fails_every_block(tmp_path):

@@ -79,6 +79,7 @@ def test_corrupt_value_is_detected(server):
     client.setrange(key, 500, b"\xff\xfe")
     res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16])
     assert res.bad_blocks == {11} and d.metrics()["kv_load_failures{kind=corrupt}"] == 1
+    assert not client.exists(key) and d.metrics()["kv_corrupt_blocks_deleted"] == 1
 
 
 def test_redis_killed_mid_run_loads_fail_fast_and_saves_are_skipped():
