@@ -1,7 +1,10 @@
 """Prefill-side leases: blocks held for a decode reader until it says done or the lease ends.
 
 ``done`` and expiry are decided under one lock, so a reader told "valid" read blocks that were never released; a
-late reader (its lease expired, the blocks freed and perhaps reused) is told "not valid" and must discard what it read.
+late reader (its lease expired, the blocks freed and perhaps reused) is told "expired" and must discard what it read.
+A lease also binds each held block's position and content hash, so params edited by a client (other block ids, or
+hashes of another prompt) cannot make a decode pod read, and cache under its own hashes, blocks the lease never
+covered (cross-request KV leaks or prefix-cache poisoning).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pdserve.kv_connectors.load_errors import logger
 class Lease:
     request_id: str
     block_ids: list[int]
+    block_hashes: list[str]   # hex, position by position: what each held block contains
     expires: float
     state: str = "active"   # active -> done | expired
 
@@ -33,10 +37,10 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self.num_expired = 0
 
-    def grant(self, request_id: str, block_ids: list[int]) -> str:
+    def grant(self, request_id: str, block_ids: list[int], block_hashes: list[str]) -> str:
         lease_id = secrets.token_hex(16)
         with self._lock:
-            self._leases[lease_id] = Lease(request_id, block_ids, time.monotonic() + self.lease_s)
+            self._leases[lease_id] = Lease(request_id, block_ids, block_hashes, time.monotonic() + self.lease_s)
             self._changed.notify_all()
         return lease_id
 
@@ -56,12 +60,24 @@ class LeaseTable:
                 lease.expires = time.monotonic() + self.lease_s
             return lease is not None
 
-    def done(self, lease_id: str) -> bool:
+    def done(self, lease_id: str, blocks: list) -> str:
+        """The reader read ``blocks`` = [[position, block id, block hash hex], ...]. Returns "valid" (and releases the
+        lease) only if the lease is alive and held exactly those blocks with exactly that content; "expired" or
+        "mismatch" otherwise. A mismatch (forged params: other blocks, or other hashes, than the lease's) leaves the
+        lease to its rightful reader."""
         with self._lock:
             lease = self._live(lease_id)
-            if lease:
-                lease.state = "done"
-            return lease is not None
+            if lease is None:
+                return "expired"
+            try:
+                ok = all(0 <= int(i) < len(lease.block_ids) and lease.block_ids[int(i)] == int(b)
+                         and lease.block_hashes[int(i)] == h for i, b, h in blocks)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                return "mismatch"
+            lease.state = "done"
+            return "valid"
 
     def reap(self) -> set[str]:
         """Request ids whose blocks may be freed now (lease done or expired); each is returned once."""

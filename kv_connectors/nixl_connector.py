@@ -2,23 +2,24 @@
 DRAM on CPU, VRAM on CUDA), the vLLM ``NixlConnector`` protocol with leases, authentication and verification added.
 
 Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote_decode`` keeps its full prompt blocks
-(delay_free) under a lease of ``lease_s`` seconds and answers vLLM-shaped ``kv_transfer_params`` plus ``lease_id``,
-``fingerprint``, ``block_hashes`` and ``block_checksums`` (xxHash3/CRC-32 hex of each block at handoff). An authenticated side
-channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint, cache address),
-``heartbeat`` (extends a live lease) and ``done`` (releases it and says whether it was still valid). Blocks are freed
-(``get_finished`` sending) only when a lease is done or expired.
+(delay_free) under a lease of ``lease_s`` seconds (:mod:`leases`) and answers vLLM-shaped ``kv_transfer_params`` plus
+``lease_id``, ``fingerprint``, ``block_hashes`` and ``block_checksums`` (xxHash3/CRC-32 hex of each block at handoff).
+An authenticated side channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint,
+cache address), ``heartbeat`` (extends a live lease) and ``done`` (releases the lease if it is alive and held exactly
+the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or expired.
 
-Decode - a request with ``do_remote_prefill`` claims the listed blocks that match its own prompt beyond its local
-prefix hits and loads them in a background thread: handshake (cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats keep the
-lease alive while a long one runs), then ``done``: only a lease that was still valid after the read proves the prefill blocks were never
-freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens.
-Finally each block's checksum is re-checked (``verify_checksums``, default on for CPU caches).
+Decode - a request with ``do_remote_prefill`` and a lease claims the listed blocks that match its own prompt beyond its
+local prefix hits and loads them in a background thread: handshake (cached per peer; a peer whose call fails is
+dropped and re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats
+keep the lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
+blocks were never freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of
+returning wrong tokens, and params edited to point elsewhere fail it (``corrupt``). Finally each block's checksum is
+re-checked (``verify_checksums``, default on for CPU caches).
 
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
-is 0.0.0.0), ``token`` (else
-PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s`` (10), ``verify_checksums``,
-``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001), ``progress_grace_s`` (10).
+is 0.0.0.0), ``token`` (else PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s``
+(10), ``verify_checksums``, ``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001),
+``progress_grace_s`` (10).
 
 CPU: NIXL's own progress thread spins a core, which starves the model's forward pass on small hosts, so agents run
 without it: the decode side progresses its READs while polling them, and the prefill side runs a light progress loop
@@ -59,6 +60,7 @@ class Peer:
     engine_id: str
     agent_name: str
     descs: Any   # prepped remote descriptor list, one descriptor per remote block
+    num_blocks: int
 
 
 @register_connector("nixl")
@@ -141,7 +143,8 @@ class NixlConnector(LoadingConnector):
         if op == "heartbeat":
             return {"alive": self.leases.heartbeat(str(body.get("lease_id")))}
         if op == "done":
-            return {"valid": self.leases.done(str(body.get("lease_id")))}
+            verdict = self.leases.done(str(body.get("lease_id")), list(body.get("blocks") or []))
+            return {"valid": verdict == "valid", "verdict": verdict}
         raise ValueError(f"unknown op {op!r}")
 
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -160,7 +163,7 @@ class NixlConnector(LoadingConnector):
             algo = default_algo()   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
             out["checksum_algo"] = algo
             out["block_checksums"] = [f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" for b in ids]
-        out["lease_id"] = self.leases.grant(request.request_id, ids)
+        out["lease_id"] = self.leases.grant(request.request_id, ids, out["block_hashes"])
         out["lease_s"] = self.leases.lease_s
         return True, out
 
@@ -172,8 +175,8 @@ class NixlConnector(LoadingConnector):
     # ---- decode side -----------------------------------------------------------------------------------------------
     def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
         p = request.kv_transfer_params or {}
-        if not (p.get("do_remote_prefill") and p.get("remote_host") and p.get("remote_port")):
-            return 0
+        if not (p.get("do_remote_prefill") and p.get("remote_host") and p.get("remote_port") and p.get("lease_id")):
+            return 0   # without a lease nothing proves what the remote blocks hold
         remote = p.get("block_hashes") or []
         limit = min(len(hashes), len(remote), len(p.get("remote_block_ids") or []))
         n = 0
@@ -205,7 +208,7 @@ class NixlConnector(LoadingConnector):
         descs = self.agent.prep_xfer_dlist(name, [(meta["base_addr"] + i * meta["block_bytes"], meta["block_bytes"],
                                                    meta["device_id"]) for i in range(meta["num_blocks"])],
                                            meta["mem_type"])
-        peer = Peer(host, port, meta["engine_id"], name, descs)
+        peer = Peer(host, port, meta["engine_id"], name, descs, int(meta["num_blocks"]))
         self._peers[(host, port)] = peer
         self.stats.add("kv_peer_handshakes")
         return peer
@@ -229,9 +232,15 @@ class NixlConnector(LoadingConnector):
         lease_id = p.get("lease_id")   # no heartbeat first: "done" after the read decides, and costs one round trip
         local = [b for _, b, _ in job.blocks]
         remote = [int(p["remote_block_ids"][i]) for i, _, _ in job.blocks]
+        if any(not 0 <= r < peer.num_blocks for r in remote):
+            raise CorruptBlock(f"remote block ids out of range for {peer.agent_name}")
         self._read(job, peer, local, remote, lease_id)
-        if lease_id and not self._call(peer, "done", {"lease_id": lease_id})["valid"]:
-            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired during the read")
+        read = [[i, r, h.hex()] for (i, _, h), r in zip(job.blocks, remote)]
+        verdict = self._call(peer, "done", {"lease_id": lease_id, "blocks": read}).get("verdict")
+        if verdict == "mismatch":
+            raise CorruptBlock(f"prefill says the params of {p.get('remote_request_id')} do not match its lease")
+        if verdict != "valid":
+            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired before the read completed")
         errors: dict[int, KVLoadError] = {}
         sums = p.get("block_checksums") if self.verify_checksums else None
         algo = int(p.get("checksum_algo", ALGO_CRC32))

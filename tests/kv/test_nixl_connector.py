@@ -89,7 +89,7 @@ def test_unreachable_peer_errors_within_timeout(decode):
         blackhole.bind(("127.0.0.1", 0))
         blackhole.listen()
         before = decode.metrics()
-        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_engine_id": "x",
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_engine_id": "x", "lease_id": "l",
                   "remote_block_ids": SRC[:5], "fingerprint": SPEC.fingerprint(),
                   "block_hashes": [h.hex() for h in Req("u", PROMPT).block_hashes]}
         res = load(decode, Req("u", PROMPT, {**params, "remote_port": blackhole.getsockname()[1]}), DST, timeout=30)
@@ -208,3 +208,21 @@ def test_side_channel_survives_garbage_and_binds_only_its_address(prefill_conn):
                 pass
     meta = side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "meta")
     assert meta["engine_id"] == prefill_conn.engine_id and meta["fingerprint"] == SPEC.fingerprint()
+
+
+def test_forged_params_cannot_read_or_cache_other_blocks(prefill_conn, decode):
+    """A client that edits kv_transfer_params (other block ids, or another prompt's hashes with a valid lease) gets a
+    load error, never another request's KV under its own hashes; the lease stays usable by its rightful reader."""
+    p = prefill_conn
+    other = list(range(500, 500 + len(PROMPT)))
+    params = _handoff(p)
+    forged_hashes = {**params, "block_hashes": [h.hex() for h in Req("x", other).block_hashes]}
+    forged_ids = {**params, "remote_block_ids": [1, 3, 5, 7, 9]}
+    no_lease = {k: v for k, v in params.items() if k != "lease_id"}
+    before = decode.metrics()
+    assert load(decode, Req("f1", other, forged_hashes), DST).bad_blocks == set(DST[:5])
+    assert load(decode, Req("f2", PROMPT, forged_ids), DST).bad_blocks == set(DST[:5])
+    assert load(decode, Req("f3", PROMPT, no_lease), DST).num_tokens == 0          # no lease: computed locally
+    assert _delta(decode, before, "kv_load_failures{kind=corrupt}") == 2
+    res = load(decode, Req("r", PROMPT, params), DST)                              # the real reader still succeeds
+    assert not res.bad_blocks and torch.equal(decode.kv_cache[DST[4]], p.kv_cache[SRC[4]])
