@@ -16,6 +16,15 @@
 
     python benchmarks/router.py --part a --requests 2000 --duration 5
     python benchmarks/router.py --part b --tenants 6 --per-tenant 6
+
+Recorded on the 2-core shared dev box (other jobs running; numbers vary run to run):
+(a) --requests 1000 --duration 3 --repeats 3: pdserve round-robin added p50 0.24 ms / p99 1.5 ms, 2192 rps (0.84x
+    vllm-router's 2601), 145 vs 96 CPU us/request; precise-prefix added p50 0.42 ms / p99 0.76 ms, 2161 rps (1.09x
+    cache_aware's 1981). All three goals met.
+(b) --tenants 8 (48 requests per policy, 3 pods, 48 KV blocks each): hit rate precise-prefix 0.664-0.694,
+    cache_aware 0.700-0.706, round-robin 0.363; p90 TTFT within noise of cache_aware, ~1.0-1.15x better than
+    round-robin. An in-process trace of the same workload showed every tenant pinned to one pod and per-pod hit rates
+    of 0.718 (the workload's ceiling); the run order (cold pods first) moves the end-to-end numbers by a few points.
 """
 
 from __future__ import annotations
