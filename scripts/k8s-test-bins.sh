@@ -13,7 +13,9 @@
 set -euo pipefail
 
 K8S_VERSION="${PDSERVE_K8S_VERSION:-v1.32.2}"
-KWOK_VERSION="v0.7.0"
+# kwok v0.7 (client-go 0.33) streams watch-lists, which Debian's etcd 3.4 cannot serve: its pods would only move on
+# periodic re-lists. v0.6.1 (client-go 0.30) uses plain LIST+WATCH.
+KWOK_VERSION="v0.6.1"
 HELM_VERSION="v3.19.0"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 MOD_DIR="$HERE/k8s-bins"
@@ -89,6 +91,8 @@ ensure_etcd() {
 
 ensure_etcd
 build_kube
+# a kwok of another version (the pin moved) is rebuilt
+[[ -x "$BIN_DIR/kwok" ]] && ! "$BIN_DIR/kwok" --version 2>/dev/null | grep -q "$KWOK_VERSION" && rm -f "$BIN_DIR/kwok"
 go_install kwok "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 # helm's Makefile stamps its version and the Kubernetes version `helm template`/`lint` assume (else v1.20).
 HELM_PKG=helm.sh/helm/v3

@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-bins.sh"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
 KWOK_NODE = "kwok-node-0"
+# Debian's etcd 3.4 lacks RequestWatchProgress, so the API server answers streaming watch-lists with an error watch;
+# clients that use them by default would then only see changes on periodic re-lists (tens of seconds late).
+NO_WATCH_LIST = ["--feature-gates", "WatchListClient=false"]
 
 
 def bin_dir(build: bool = True) -> Path:
@@ -110,14 +113,16 @@ class Cluster:
         self._spawn("kube-controller-manager", [
             str(self.bins / "kube-controller-manager"), "--kubeconfig", kc, "--authentication-kubeconfig", kc,
             "--authorization-kubeconfig", kc, "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
+            # kwok's simulated node heartbeats come every ~20-45 s: a long grace period keeps the node Ready
+            "--node-monitor-grace-period", "600s",
             "--leader-elect=false", "--controllers", "*", "--root-ca-file", str(d / "ca.crt"),
             "--service-account-private-key-file", str(d / "sa.key"), "--use-service-account-credentials=false",
             "--concurrent-deployment-syncs", "10", "--concurrent-replicaset-syncs", "10",
-            "--concurrent-gc-syncs", "10", "--profiling=false", "--v", "1"])
+            "--concurrent-gc-syncs", "10", "--profiling=false", "--v", "1", *NO_WATCH_LIST])
         self._spawn("kube-scheduler", [
             str(self.bins / "kube-scheduler"), "--kubeconfig", kc, "--authentication-kubeconfig", kc,
             "--authorization-kubeconfig", kc, "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
-            "--leader-elect=false", "--profiling=false", "--v", "1"])
+            "--leader-elect=false", "--profiling=false", "--v", "1", *NO_WATCH_LIST])
         self._spawn("kwok", [
             str(self.bins / "kwok"), "--kubeconfig", kc, "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake", "--cidr", "10.244.0.1/16",
@@ -142,7 +147,7 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")
-        # Debian's etcd 3.4 lacks RequestWatchProgress: keep newer client-go (kwok) off streaming watch-lists.
+        # see NO_WATCH_LIST; client-go reads KUBE_FEATURE_* in binaries without --feature-gates (kwok)
         env = {**os.environ, "KUBE_FEATURE_WatchListClient": "false"}
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=env)
