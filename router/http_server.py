@@ -5,7 +5,8 @@ status line + headers and the body of every response separately. This server hol
 body chunk, so a JSON response goes out in one write, and a streamed (chunked) response costs one write per chunk.
 It implements the subset of ASGI 3 the router needs: ``http`` scopes (keep-alive, pipelining handled one request at a
 time, request bodies by content-length or chunked), ``http.disconnect`` on connection loss, ``lifespan``, write
-back-pressure, an idle keep-alive timeout and a header-size limit (431). ``serve`` stops on SIGINT/SIGTERM: it stops
+back-pressure, a keep-alive/read timeout (an idle connection, or one whose request does not fully arrive in time, is
+closed) and a header-size limit (431). ``serve`` stops on SIGINT/SIGTERM: it stops
 accepting, lets in-flight requests finish for up to ``drain_timeout`` seconds, then runs lifespan shutdown.
 """
 
@@ -154,9 +155,7 @@ class _Connection(asyncio.Protocol):
             await self._drain
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        # (the idle timer keeps running until a whole request has arrived: it also bounds slow request reads)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -218,6 +217,9 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         c = self.parsing
         if c is not None:
             c.more_body = False

@@ -39,6 +39,8 @@ class RouterMetrics:
                                registry=r)
         self.kv_event_batches = Counter("pdserve_router_kv_event_batches", "KV event batches applied to the index.",
                                         ["source"], registry=r)  # live | replay
+        self.hit_ratio = Gauge("pdserve_router_prefix_hit_ratio", "prefix_hit_tokens / prompt_tokens so far.",
+                               registry=r)
         self.index_blocks = Gauge("pdserve_router_prefix_index_blocks", "Distinct block hashes in the index.",
                                   registry=r)
         self._children: dict[tuple, object] = {}
@@ -56,4 +58,5 @@ class RouterMetrics:
         return self.prefix_hit_tokens._value.get() / total if total else 0.0
 
     def render(self) -> bytes:
+        self.hit_ratio.set(self.prefix_hit_ratio())
         return generate_latest(self.registry)

@@ -1,0 +1,89 @@
+"""The router's minimal HTTP/1.1 server over raw sockets: keep-alive, pipelining, chunked request bodies, chunked
+streaming responses, malformed requests (400), oversized headers (431), and the read/idle timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from pdserve.router.http_server import Server
+
+
+async def echo_app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            await send({"type": msg["type"] + ".complete"})
+            if msg["type"] == "lifespan.shutdown":
+                return
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for part in (b"one", b"two"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    out = scope["method"].encode() + b" " + scope["path"].encode() + b" " + body
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture
+async def server():
+    srv = Server(echo_app, "127.0.0.1", 0, keep_alive_timeout=0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        srv.port = s.getsockname()[1]
+    task = asyncio.create_task(srv.serve(install_signals=False))
+    await asyncio.wait_for(srv.started.wait(), 10)
+    yield srv
+    srv.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def exchange(port: int, data: bytes, until: bytes | None = None, timeout: float = 5.0) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(data)
+    out = b""
+    try:
+        while until is None or until not in out:
+            chunk = await asyncio.wait_for(r.read(65536), timeout)
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        w.close()
+    return out
+
+
+async def test_keep_alive_pipelining_and_chunked_bodies(server):
+    req = (b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+           b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    out = await exchange(server.port, req, until=b"POST /b abcde")
+    assert out.count(b"HTTP/1.1 200 OK") == 2
+    assert out.index(b"POST /a hello") < out.index(b"POST /b abcde")
+
+
+async def test_streamed_response_is_chunked(server):
+    out = await exchange(server.port, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", until=b"0\r\n\r\n")
+    assert b"transfer-encoding: chunked" in out and out.endswith(b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+
+
+async def test_bad_requests_and_timeouts(server):
+    out = await exchange(server.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400") and b'"error"' in out
+    big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n"
+    assert (await exchange(server.port, big)).startswith(b"HTTP/1.1 431")
+    # a request that never completes is closed after the read timeout (0.5 s here), with no response
+    out = await exchange(server.port, b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+    assert out == b""
+    # Connection: close is honoured
+    out = await exchange(server.port, b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert b"connection: close" in out and out.endswith(b"GET /c ")
