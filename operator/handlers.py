@@ -32,7 +32,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
     """Reconcile one InferenceService; serialised per object so handlers never interleave their applies."""
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    if meta.get("deletionTimestamp"):
+    if meta.get("deletionTimestamp") or memo.closing:
         return
     kube: Kube = memo.kube
     key = (ns, name)
@@ -85,6 +85,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         memo.kube = await Kube.connect()
+        memo.closing = False
         memo.locks = {}
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
         memo.generations = {}  # (kind, namespace, name) -> last seen metadata.generation of owned children
@@ -96,6 +97,11 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
+        memo.closing = True  # timers may still fire while kopf stops: let running syncs finish, start no new ones
+        for _ in range(100):
+            if not any(lock.locked() for lock in memo.locks.values()):
+                break
+            await asyncio.sleep(0.1)
         await memo.kube.close()
 
     @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
