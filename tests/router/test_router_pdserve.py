@@ -120,6 +120,23 @@ def test_precise_prefix_routing_from_real_kv_events(cluster, make_router, tokeni
     assert app.metrics.prefix_hit_ratio() > 0.3
 
 
+def test_retry_on_another_pod_before_the_first_byte(cluster, reference, make_router):
+    """A pod that dies after passing its health check: the request is retried on the real pod and answered right."""
+    from tests.router.fake_pod import FakePod, FakeState, ServerThread
+
+    doomed = ServerThread(FakePod(FakeState(name="doomed"))).start()
+    app, r = make_router(RouterConfig(workers=(doomed.url, cluster["M"].url), policy="round-robin",
+                                      health_interval=60, request_timeout=120))
+    wait_for(lambda: app.health.rounds >= 1, what="first health round")
+    doomed.stop()
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="x", timeout=120)
+    for _ in range(2):  # round robin: one of the two goes to the dead pod first
+        chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, **GREEDY)
+        assert chat.choices[0].message.content == reference[0]
+    assert app.metrics.retries.labels("decode")._value.get() >= 1
+    assert app.pool.get(doomed.url).breaker.failures >= 1
+
+
 async def test_client_disconnect_aborts_on_the_pod(cluster, make_router):
     M = cluster["M"]
     app, r = make_router(RouterConfig(workers=(M.url,), policy="round-robin"))
