@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -123,11 +124,18 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
         common += ["--kv-cache-memory", args.kv_cache_memory]
     logs = Path(args.log_dir) if args.log_dir else workdir
     logs.mkdir(parents=True, exist_ok=True)
+    # The KV side channel's shared secret travels in the environment, never on a command line.
+    pod_env = {"PDSERVE_KV_TOKEN": os.environ.get("PDSERVE_KV_TOKEN") or secrets.token_hex(16)}
+
+    event_sources: list[str] = []
 
     def pod(name: str, role: str, extra: list[str]) -> Child:
-        port = free_port()
-        return Child(name, [*exe, "serve", *common, "--port", str(port), "--role", role, *extra], port,
-                     logs / f"{name}.log")
+        # Each pod publishes its KV events so the router's prefix index is exact.
+        port, pub, replay = free_port(), free_port(), free_port()
+        event_sources.append(f"http://127.0.0.1:{port}=tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
+        events = ["--kv-events-port", str(pub), "--kv-events-replay-port", str(replay)]
+        return Child(name, [*exe, "serve", *common, "--port", str(port), "--role", role, *events, *extra], port,
+                     logs / f"{name}.log", env=pod_env)
 
     if args.monolithic:
         pods = [pod("runtime", "both", [])]
@@ -142,6 +150,7 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
                           "--pd-threshold", str(args.pd_threshold)]
     router = Child("router", [*exe, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                               "--tokenizer", model_path, *router_targets,
+                              *(a for src in event_sources for a in ("--kv-events-source", src)),
                               *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log")
     return [*pods, router]
 
