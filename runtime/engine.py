@@ -117,7 +117,9 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate within the context "
                              f"length ({self.max_model_len} tokens)")
-        need = -(-(len(token_ids) + max_tokens) // self.config.cache.block_size)
+        # An explicit max_tokens must fit the pool; an open-ended one is cut ("length") when the pool is full.
+        reserve = max_tokens if params.max_tokens is not None else 1
+        need = -(-(len(token_ids) + reserve) // self.config.cache.block_size)
         if need > self.scheduler.kv.num_blocks:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, "
                              f"more than the whole cache ({self.scheduler.kv.num_blocks} blocks)")

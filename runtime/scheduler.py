@@ -61,6 +61,8 @@ class Scheduler:
         self.config = config
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
+        # A request can never outgrow the whole pool (it would wait forever): cap it there too.
+        self.max_len = min(max_model_len, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
         self.load_failure_policy = load_failure_policy
@@ -275,7 +277,7 @@ class Scheduler:
                 return self.finish_request(req, RequestStatus.FINISHED_STOPPED)
             if token_id in sp.stop_token_ids:
                 return self.finish_request(req, RequestStatus.FINISHED_STOPPED, token_id)
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
             self.finish_request(req, RequestStatus.FINISHED_LENGTH)
 
     def _poll_connector(self) -> set[str]:

@@ -113,3 +113,11 @@ def test_stop_token_and_min_tokens():
     assert not r.is_finished                                  # min_tokens=2 keeps it going
     step(s)
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == TOKEN and r.num_output_tokens == 2
+
+
+def test_request_never_outgrows_the_pool():
+    s = make(num_blocks=2)                                     # 8 token slots in all
+    r = add(s, "a", 3, max_tokens=100)
+    for _ in range(5):
+        step(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 8 and s.kv.pool.get_num_free_blocks() == 2
