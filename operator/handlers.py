@@ -9,7 +9,8 @@
   generation and raises ``kopf.PermanentError`` from create/update (no retry loop); running children are left alone.
 
 kopf keeps its handler progress in annotations (not in ``status``, which the CRD schema owns), never adds finalizers
-(no deletion handler: children go by owner-reference garbage collection), and runs standalone (no peering objects).
+(the deletion handler is optional and only forgets in-memory state: children go by owner-reference garbage
+collection), and runs standalone (no peering objects).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
             old_ready = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
             first_time = (old_status.get("observedGeneration") != meta.get("generation")
                           or old_ready.get("message") != str(result.error))
-            if first_time:
-                await kube.patch_status(ns, name, result.status)
+            if first_time and await kube.patch_status(ns, name, result.status):
                 memo.statuses[key] = (uid, {**old_status, **result.status})
                 kopf.warn(body, reason=result.error.reason, message=str(result.error))
                 logger.warning("invalid spec: %s (%s)", result.error, result.error.reason)
@@ -66,11 +66,12 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
                 await kube.delete(kind, ns, child)
             result = reconcile(body, await kube.observe(ns, name, uid))
         if any(old_status.get(k) != v for k, v in result.status.items()):
-            await kube.patch_status(ns, name, result.status)
+            if not await kube.patch_status(ns, name, result.status):
+                return  # deleted meanwhile: its children go by garbage collection
             memo.statuses[key] = (uid, {**old_status, **result.status})
             logger.info("status: phase=%s %s", result.status["phase"],
                         " ".join(f"{k}={result.status[k]['ready']}" for k in ("prefill", "decode", "router")
-                                 if k in result.status))
+                                 if result.status.get(k)))
 
 
 def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:

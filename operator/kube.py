@@ -132,6 +132,13 @@ class Kube:
                                  for r in o["metadata"].get("ownerReferences", []))})
         return Observed(deployments=found[0], services=found[1])
 
-    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
+        """Merge-patch the status subresource; False when the InferenceService is gone (deleted meanwhile)."""
         path = object_path(names.KIND, namespace, name) + "/status"
-        await self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+        try:
+            await self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return False
+        return True

@@ -83,8 +83,11 @@ def operator(cluster: Cluster, chart_release: str, tmp_path_factory) -> Operator
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        tail = handle.log_text()[-3000:]
-        print(f"\n--- operator log tail ---\n{tail}")
+        text = handle.log_text()
+        print(f"\n--- operator log tail ---\n{text[-3000:]}")
+        # Handlers must never crash (invalid specs are PermanentErrors, reported, not exceptions).
+        crashes = [line for line in text.splitlines() if "failed with an exception" in line]
+        assert not crashes, "operator handler crashed:\n" + "\n".join(crashes[:3])
 
 
 @pytest.fixture
