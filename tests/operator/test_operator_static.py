@@ -128,3 +128,18 @@ def test_dockerfile_copies_every_package_folder():
     top = {d.split("/")[0] for d in dirs}
     copied = {rest.split()[0].rstrip("/") for instr, rest in dockerfile_stages()[0] if instr == "COPY"}
     assert top <= copied, f"not copied into the image: {sorted(top - copied)}"
+
+
+def test_operator_cli_flags():
+    from pdserve.cli import build_parser
+
+    argv = ["operator", "-n", "team-a", "--namespace", "team-b", "--resync-seconds", "5", "--liveness", "none"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.namespace, args.resync_seconds, args.liveness, args.log_format) == (["team-a", "team-b"], 5.0,
+                                                                                     "none", "json")
+    assert args.func.__module__ == "pdserve.operator.cli"
+    with pytest.raises(SystemExit):
+        build_parser(["operator", "-A", "-n", "x"]).parse_args(["operator", "-A", "-n", "x"])
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "operator", "--help"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert out.returncode == 0 and "--resync-seconds" in out.stdout
