@@ -190,6 +190,9 @@ class AsyncEngine:
                 self.metrics.kv_event_batches.inc()
         if self.metrics is not None:
             self.metrics.set_engine_stats(self.engine.get_stats())
+            connector = getattr(self.engine, "connector", None)
+            if connector is not None:
+                self.metrics.set_connector_metrics(connector.metrics())
             if batch_size:
                 self.metrics.observe_step(batch_size)
 

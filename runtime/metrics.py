@@ -61,6 +61,28 @@ class _EngineStatsCollector(Collector):
             yield c
 
 
+class _ConnectorCollector(Collector):
+    """The KV connector's counters (``connector.metrics()``: ``kv_<name>{label=value,...} -> value``) as
+    ``pdserve:kv_connector_<name>``; names ending in ``_active`` are gauges, the rest counters."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.values: dict[str, float] = {}  # replaced wholesale by the engine thread
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for key, value in sorted(self.values.items()):
+            name, _, rest = key.partition("{")
+            labels = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if "=" in kv)
+            family = families.get(name)
+            if family is None:
+                kind = GaugeMetricFamily if name.endswith("_active") else CounterMetricFamily
+                family = families[name] = kind(f"pdserve:kv_connector_{name.removeprefix('kv_')}", f"KV connector: {name}.",
+                                               labels=["model_name", *labels])
+            family.add_metric([self.model_name, *labels.values()], float(value))
+        yield from families.values()
+
+
 class ServerMetrics:
     """All metrics of one server. Thread-safe: prometheus_client metrics lock internally."""
 
@@ -69,6 +91,8 @@ class ServerMetrics:
         self.model_name = model_name
         self._stats = _EngineStatsCollector(model_name)
         self.registry.register(self._stats)
+        self._connector = _ConnectorCollector(model_name)
+        self.registry.register(self._connector)
         m, r = ["model_name"], self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
@@ -94,6 +118,9 @@ class ServerMetrics:
 
     def set_engine_stats(self, stats: Any) -> None:
         self._stats.stats = stats
+
+    def set_connector_metrics(self, values: dict[str, float]) -> None:
+        self._connector.values = dict(values)
 
     def observe_step(self, batch_size: int) -> None:
         self.num_steps.inc()
