@@ -1,10 +1,13 @@
-"""The ConfigMap of one InferenceService: the KV connector settings every runtime pod reads.
+"""Shared settings of one InferenceService's pods: the ConfigMap, the KV connector config, the KV-transfer token.
 
-Runtime pods get ``PDSERVE_KV_CONNECTOR_CONFIG`` from this ConfigMap and pass it as
-``--kv-connector-config $(PDSERVE_KV_CONNECTOR_CONFIG)`` (the kubelet expands ``$(VAR)`` in args). Its hash is a pod
-template annotation, so a change rolls the pods. The KV-transfer token lives in a Secret the operator creates once per InferenceService (random,
-never overwritten) and exports as ``PDSERVE_KV_TOKEN``. Secrets never enter the ConfigMap: a Redis URL from a Secret is
-exported as ``PDSERVE_REDIS_URL`` and the connector config names it with ``"url_env"``.
+- ConfigMap ``<isvc>-config``: the ``PDSERVE_*`` environment every pod (runtime and router) loads with ``envFrom``, so
+  settings that must agree across processes (the block-hash seed) cannot drift. Its hash is a pod-template
+  annotation: a change rolls the pods.
+- ``--kv-connector-config`` JSON: built here, passed inline in the runtime args. It may reference env vars as
+  ``$(VAR)``, which the kubelet expands when it starts the container: NIXL advertises ``$(POD_IP)``; a Redis URL kept in
+  a Secret is ``"url": "$(PDSERVE_REDIS_URL)"`` (the pod spec never holds the URL itself).
+- Secret ``<isvc>-kv-token``: a random token authenticating KV-transfer side channels (``PDSERVE_KV_TOKEN``,
+  runtime/envs.kv_transfer_token), created once and never overwritten.
 """
 
 from __future__ import annotations
@@ -18,35 +21,41 @@ from pdserve.operator import names
 from pdserve.operator.models import InferenceServiceSpec
 from pdserve.operator.pod import object_meta
 
-CONFIG_KEY = "kv-connector-config"
-CONNECTOR_KEY = "kv-connector"
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
-KV_TOKEN_ENV = "PDSERVE_KV_TOKEN"  # runtime/envs.kv_transfer_token(): authenticates KV-transfer side channels
+POD_IP_ENV = "POD_IP"
+KV_TOKEN_ENV = "PDSERVE_KV_TOKEN"
 KV_TOKEN_KEY = "token"
 
 
 def kv_connector_config(spec: InferenceServiceSpec) -> dict[str, Any]:
-    """The JSON given to ``--kv-connector-config`` for the chosen connector."""
+    """The JSON given to ``--kv-connector-config`` for the chosen connector (``$(VAR)`` expanded by the kubelet)."""
     kv = spec.kv_transfer
     if kv.connector == "nixl":
-        return {"host": "0.0.0.0", "port": names.NIXL_PORT}
+        return {"host": "0.0.0.0", "port": names.NIXL_PORT, "advertise_host": f"$({POD_IP_ENV})"}
     if kv.connector == "redis":
         assert kv.redis is not None  # CEL rule on the CRD
-        return {"url": kv.redis.url} if kv.redis.url else {"url_env": REDIS_URL_ENV}
+        return {"url": kv.redis.url or f"$({REDIS_URL_ENV})"}
     assert kv.disk is not None  # CEL rule on the CRD
     return {"path": f"{names.KV_MOUNT}/{kv.disk.path}".rstrip("/")}
+
+
+def shared_env() -> dict[str, str]:
+    """PDSERVE_* variables every process of one InferenceService must agree on (see runtime/envs.py)."""
+    return {"PDSERVE_HASH_SEED": "pdserve", "PDSERVE_CACHE_DIR": f"{names.CACHE_MOUNT}/pdserve",
+            "PDSERVE_LOG_LEVEL": "INFO"}
 
 
 def config_hash(data: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_config_map(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
-    data = {CONNECTOR_KEY: spec.kv_transfer.connector,
-            CONFIG_KEY: json.dumps(kv_connector_config(spec), sort_keys=True, separators=(",", ":")),
-            "runtime-selector": names.runtime_selector(name)}
+def build_config_map(name: str, namespace: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(names.config_map_name(name), namespace, name),
-            "data": data}
+            "data": shared_env()}
+
+
+def env_from(name: str) -> list[dict[str, Any]]:
+    return [{"configMapRef": {"name": names.config_map_name(name)}}]
 
 
 def build_kv_token_secret(name: str, namespace: str, token: str | None = None) -> dict[str, Any]:

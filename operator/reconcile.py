@@ -55,12 +55,12 @@ def parse_spec(body: dict[str, Any]) -> InferenceServiceSpec:
 def desired_objects(body: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """Every owned object, in apply order (config and RBAC before the pods that use them)."""
     name, ns = body["metadata"]["name"], body["metadata"]["namespace"]
-    cm = build_config_map(name, ns, spec)
+    cm = build_config_map(name, ns)
     chash = config_hash(cm["data"])
     roles = ["prefill", "decode"] if spec.prefill is not None else ["both"]
     objects = [cm, *build_router_rbac(name, ns), build_headless_service(name, ns, spec),
                *(build_runtime_deployment(name, ns, spec, role, chash) for role in roles),
-               build_router_deployment(name, ns, spec), build_router_service(name, ns, spec)]
+               build_router_deployment(name, ns, spec, chash), build_router_service(name, ns, spec)]
     owner = pod.owner_reference(body)
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [owner]

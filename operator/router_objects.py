@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.operator import names, pod
+from pdserve.operator.configmap import env_from
 from pdserve.operator.models import InferenceServiceSpec
 
-API_KEY_ENV = "PDSERVE_ROUTER_API_KEY"
+API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
 STARTUP_SECONDS = 120
 
 # Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
@@ -29,13 +30,14 @@ def router_args(name: str, namespace: str, spec: InferenceServiceSpec) -> list[s
     return args
 
 
-def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpec, config_hash: str) -> dict[str, Any]:
     r = spec.router
     volumes, mounts = pod.writable_volumes()
     pod_sc, container_sc = pod.security_context()
     container = {
         "name": "router", "image": r.image or spec.runtime.image, "args": router_args(name, namespace, spec),
-        "ports": [{"name": "http", "containerPort": names.ROUTER_PORT}], "volumeMounts": mounts,
+        "envFrom": env_from(name), "ports": [{"name": "http", "containerPort": names.ROUTER_PORT}],
+        "volumeMounts": mounts,
         "resources": pod.resources(r.resources), "securityContext": container_sc,
         "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
     }
@@ -47,7 +49,7 @@ def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpe
                 "securityContext": pod_sc, "terminationGracePeriodSeconds": pod.TERMINATION_GRACE_SECONDS}
     labels = names.pod_labels(name, "router")
     meta = pod.object_meta(names.pool_name(name, "router"), namespace, name, labels)
-    return pod.deployment(meta, r.replicas, labels, pod_spec, {})
+    return pod.deployment(meta, r.replicas, labels, pod_spec, {names.CONFIG_HASH_ANNOTATION: config_hash})
 
 
 def build_router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:

@@ -7,13 +7,14 @@ variables without repeating the shared ones.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdserve.operator import names, pod
-from pdserve.operator.configmap import CONFIG_KEY, KV_TOKEN_ENV, KV_TOKEN_KEY, REDIS_URL_ENV
+from pdserve.operator.configmap import (KV_TOKEN_ENV, KV_TOKEN_KEY, POD_IP_ENV, REDIS_URL_ENV, env_from,
+                                       kv_connector_config)
 from pdserve.operator.models import InferenceServiceSpec, PoolSpec, RuntimeOverrides, RuntimeSpec
 
-KV_CONFIG_ENV = "PDSERVE_KV_CONNECTOR_CONFIG"
 API_KEY_ENV = "PDSERVE_API_KEY"
 STARTUP_SECONDS = 900  # model download + load before liveness applies
 
@@ -60,16 +61,15 @@ def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_arg
         args += ["--max-model-len", str(rt.max_model_len)]
     args += ["--dtype", rt.dtype]
     if uses_connector(spec, role):
-        args += ["--kv-connector", spec.kv_transfer.connector, "--kv-connector-config", f"$({KV_CONFIG_ENV})"]
+        config = json.dumps(kv_connector_config(spec), sort_keys=True, separators=(",", ":"))
+        args += ["--kv-connector", spec.kv_transfer.connector, "--kv-connector-config", config]
     args += ["--kv-events-port", str(names.KV_EVENTS_PORT), "--kv-events-replay-port", str(names.KV_EVENTS_REPLAY_PORT)]
     return args + list(rt.extra_args or [])
 
 
 def serve_env(name: str, spec: InferenceServiceSpec, rt: RuntimeSpec) -> list[dict[str, Any]]:
     """Env of a runtime container; the vars referenced as ``$(VAR)`` in args come first (the kubelet requires it)."""
-    env = [{"name": KV_CONFIG_ENV, "valueFrom": {"configMapKeyRef": {"name": names.config_map_name(name),
-                                                                     "key": CONFIG_KEY}}},
-           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    env = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": KV_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": names.kv_token_secret_name(name),
                                                                  "key": KV_TOKEN_KEY}}}]
     if rt.api_key_secret_ref:
@@ -103,7 +103,7 @@ def build_runtime_deployment(name: str, namespace: str, spec: InferenceServiceSp
     pod_sc, container_sc = pod.security_context()
     container = {
         "name": "pdserve", "image": rt.image, "args": serve_args(spec, rt, role, model_args),
-        "env": serve_env(name, spec, rt), "ports": ports, "volumeMounts": mounts,
+        "env": serve_env(name, spec, rt), "envFrom": env_from(name), "ports": ports, "volumeMounts": mounts,
         "resources": pod.resources(rt.resources), "securityContext": container_sc,
         "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
     }

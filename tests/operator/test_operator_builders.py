@@ -32,6 +32,11 @@ def container(dep: dict) -> dict:
     return dep["spec"]["template"]["spec"]["containers"][0]
 
 
+def kv_config(dep: dict) -> dict:
+    args = container(dep)["args"]
+    return json.loads(args[args.index("--kv-connector-config") + 1])
+
+
 def env_of(dep: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(dep)["env"]}
 
@@ -81,10 +86,11 @@ def test_disaggregated_pools_nixl_and_probes():
         args = c["args"]
         assert args[args.index("--role") + 1] == role
         assert args[args.index("--kv-connector") + 1] == "nixl"
-        assert args[args.index("--kv-connector-config") + 1] == "$(PDSERVE_KV_CONNECTOR_CONFIG)"
+        # the kubelet expands $(POD_IP) (defined first in env) when it starts the container
+        assert kv_config(dep) == {"host": "0.0.0.0", "port": 5600, "advertise_host": "$(POD_IP)"}
+        assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         assert {"name": "nixl", "containerPort": 5600} in c["ports"]
-        assert env_of(dep)["PDSERVE_KV_CONNECTOR_CONFIG"] == {"configMapKeyRef": {"name": "m-config",
-                                                                                 "key": "kv-connector-config"}}
+        assert c["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
         assert env_of(dep)["PDSERVE_KV_TOKEN"] == {"secretKeyRef": {"name": "m-kv-token", "key": "token"}}
         assert dep["spec"]["template"]["metadata"]["labels"][names.ROLE_LABEL] == role
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -95,7 +101,8 @@ def test_disaggregated_pools_nixl_and_probes():
         assert pod["terminationGracePeriodSeconds"] == 60 and pod["securityContext"]["runAsNonRoot"] is True
         assert pod["automountServiceAccountToken"] is False
     cm = by_name(r, "ConfigMap", "m-config")
-    assert json.loads(cm["data"]["kv-connector-config"]) == {"host": "0.0.0.0", "port": 5600}
+    assert cm["data"] == {"PDSERVE_HASH_SEED": "pdserve", "PDSERVE_CACHE_DIR": "/cache/pdserve",
+                          "PDSERVE_LOG_LEVEL": "INFO"}
     headless = by_name(r, "Service", "m-pods")
     assert headless["spec"]["clusterIP"] == "None"
     assert names.ROLE_LABEL not in headless["spec"]["selector"]
@@ -114,8 +121,9 @@ def test_router_deployment_rbac_and_service():
         "--discover", "app.kubernetes.io/name=pdserve,app.kubernetes.io/instance=m,pdserve.dev/role in (both,decode,prefill)",
         "--namespace", "ns", "--role-label", "pdserve.dev/role", "--policy", "least-loaded", "--pd-threshold", "64",
         "--block-size", "16", "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
-        "--api-key", "$(PDSERVE_ROUTER_API_KEY)"]
-    assert env_of(dep) == {"PDSERVE_ROUTER_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+        "--api-key", "$(PDSERVE_API_KEY)"]
+    assert env_of(dep) == {"PDSERVE_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+    assert container(dep)["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
     role = by_name(r, "Role", "m-router")
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
@@ -156,7 +164,7 @@ def test_disk_connector_mounts_the_claim():
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "kv", "persistentVolumeClaim": {"claimName": "kv"}} in pod["volumes"]
     assert {"name": "kv", "mountPath": "/kv"} in container(dep)["volumeMounts"]
-    assert json.loads(by_name(r, "ConfigMap", "m-config")["data"]["kv-connector-config"]) == {"path": "/kv/a/b"}
+    assert kv_config(dep) == {"path": "/kv/a/b"}
     assert "nixl" not in [p["name"] for p in container(dep)["ports"]]
 
 
@@ -165,14 +173,13 @@ def test_redis_url_from_secret_goes_through_env():
                                                        "redis": {"urlSecretRef": {"name": "r", "key": "url"}}}}
     r = reconcile(isvc(spec), Observed(), NOW)
     dep = by_name(r, "Deployment", "m-decode")  # monolithic pods share a Redis store, so they get the connector
-    assert json.loads(by_name(r, "ConfigMap", "m-config")["data"]["kv-connector-config"]) == {
-        "url_env": "PDSERVE_REDIS_URL"}
+    assert kv_config(dep) == {"url": "$(PDSERVE_REDIS_URL)"}  # the URL itself never enters the pod spec
     assert env_of(dep)["PDSERVE_REDIS_URL"] == {"secretKeyRef": {"name": "r", "key": "url"}}
     args = container(dep)["args"]
     assert args[args.index("--kv-connector") + 1] == "redis"
     plain = {"model": {"name": "smol"}, "kvTransfer": {"connector": "redis", "redis": {"url": "redis://r:6379"}}}
-    cm = by_name(reconcile(isvc(plain), Observed(), NOW), "ConfigMap", "m-config")
-    assert json.loads(cm["data"]["kv-connector-config"]) == {"url": "redis://r:6379"}
+    dep = by_name(reconcile(isvc(plain), Observed(), NOW), "Deployment", "m-decode")
+    assert kv_config(dep) == {"url": "redis://r:6379"} and "PDSERVE_REDIS_URL" not in env_of(dep)
 
 
 @pytest.mark.parametrize("uri,model_args,mount", [
@@ -273,11 +280,16 @@ def test_prune_pools_no_longer_in_spec():
     assert reconcile(isvc(PD), observed, NOW).prune == []
 
 
-def test_config_change_changes_the_pod_template_hash():
-    def pod_hash(kv: dict) -> str:
-        dep = by_name(reconcile(isvc({**PD, "kvTransfer": kv}), Observed(), NOW), "Deployment", "m-decode")
-        return dep["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH_ANNOTATION]
+def test_every_pod_template_carries_the_config_map_hash(monkeypatch):
+    from pdserve.operator import configmap
 
-    a = pod_hash({"connector": "redis", "redis": {"url": "redis://a:6379"}})
-    assert a == pod_hash({"connector": "redis", "redis": {"url": "redis://a:6379"}})
-    assert a != pod_hash({"connector": "redis", "redis": {"url": "redis://b:6379"}})
+    def hashes() -> set[str]:
+        r = reconcile(isvc(PD), Observed(), NOW)
+        return {o["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH_ANNOTATION]
+                for o in r.objects if o["kind"] == "Deployment"}
+
+    before = hashes()
+    assert len(before) == 1  # prefill, decode and router all load the same ConfigMap
+    monkeypatch.setattr(configmap, "shared_env", lambda: {"PDSERVE_HASH_SEED": "other"})
+    after = hashes()
+    assert len(after) == 1 and after != before  # a ConfigMap change rolls every pool
