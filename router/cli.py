@@ -13,8 +13,8 @@ from pdserve.router.config import POLICIES, KVEventSource, RouterConfig
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="run the prefix- and load-aware OpenAI proxy (prefill -> decode)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port of the OpenAI endpoint")
     src = p.add_argument_group("endpoints (one source)")
     src.add_argument("--worker", action="append", default=[], metavar="URL", help="a pod serving both roles")
     src.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill pod")
@@ -23,10 +23,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--namespace", help="namespace for --discover (default: the router pod's own, else default)")
     src.add_argument("--role-label", default="pdserve.dev/role", help="pod label holding prefill|decode|both")
     src.add_argument("--pod-port", type=int, default=8000, help="discovered pods' HTTP port (a port named http wins)")
-    p.add_argument("--policy", choices=POLICIES, default="precise-prefix")
+    p.add_argument("--policy", choices=POLICIES, default="precise-prefix",
+                   help="how pods are picked: longest cached prefix from KV events with load balancing, or a baseline")
     p.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
                    help="disaggregate only when the decode pod lacks more prompt tokens than this")
-    p.add_argument("--prefill-failure", choices=("retry-then-decode", "fail"), default="retry-then-decode")
+    p.add_argument("--prefill-failure", choices=("retry-then-decode", "fail"), default="retry-then-decode",
+                   help="when prefill fails: retry another prefill pod, then send the whole request to decode; or fail")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer dir (default: the default model's)")
     p.add_argument("--block-size", type=int, default=16, help="the pods' KV block size")
@@ -34,17 +36,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-events-replay-port", type=int, help="pods' KV event replay port")
     p.add_argument("--kv-events-source", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
                    help="explicit KV event endpoints of one pod, e.g. http://h:8000=tcp://h:5557,tcp://h:5558")
-    p.add_argument("--max-concurrency", type=int, default=1024)
-    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
-    p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
-    p.add_argument("--max-retries", type=int, default=2)
-    p.add_argument("--cb-failure-threshold", type=int, default=5)
-    p.add_argument("--cb-open-seconds", type=float, default=30.0)
-    p.add_argument("--balance-abs-threshold", type=float, default=16.0)
-    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--max-concurrency", type=int, default=1024,
+                   help="requests in flight through the router; beyond it clients get 503 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="upstream request timeout")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="upstream connect timeout")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                   help="period of active /health checks and /metrics load scrapes")
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="retries on another pod, only before the first byte reaches the client")
+    p.add_argument("--cb-failure-threshold", type=int, default=5,
+                   help="consecutive failures that open a pod's circuit breaker")
+    p.add_argument("--cb-open-seconds", type=float, default=30.0,
+                   help="seconds an open breaker waits before letting one probe request through")
+    p.add_argument("--balance-abs-threshold", type=float, default=16.0,
+                   help="load guard: ignore cache affinity when max - min pod load exceeds this")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="load guard: ... and max load exceeds this multiple of min load")
+    p.add_argument("--log-level", default="warning", help="debug|info|warning|error")
     p.set_defaults(func=run)
     return p
 
