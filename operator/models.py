@@ -75,7 +75,7 @@ class RuntimeSpec(RuntimeOverrides):
     block_size: int | None = Field(16, ge=1, le=1024)
     kv_cache_memory: int | str | None = Field("1Gi", description="KV cache bytes, a number or a quantity like 2Gi.",
                                               json_schema_extra=_QUANTITY)
-    api_key_secret_ref: SecretKeyRef | None = Field(None, description="API key runtime pods require (--api-key).")
+    api_key_secret_ref: SecretKeyRef | None = Field(None, description="API key runtime pods require (env PDSERVE_API_KEY).")
 
 
 class PoolSpec(RuntimeOverrides):

@@ -15,7 +15,7 @@ from pdserve.operator.configmap import (KV_TOKEN_ENV, KV_TOKEN_KEY, POD_IP_ENV, 
                                        kv_connector_config)
 from pdserve.operator.models import InferenceServiceSpec, PoolSpec, RuntimeOverrides, RuntimeSpec
 
-API_KEY_ENV = "PDSERVE_API_KEY"
+API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
 STARTUP_SECONDS = 900  # model download + load before liveness applies
 
 
@@ -53,8 +53,7 @@ def model_source(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, 
 def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_args: list[str]) -> list[str]:
     args = ["serve", *model_args, "--host", "0.0.0.0", "--port", str(names.RUNTIME_PORT), "--role", role,
             "--served-model-name", spec.model.name]
-    if rt.api_key_secret_ref:
-        args += ["--api-key", f"$({API_KEY_ENV})"]
+    # an API key comes from env PDSERVE_API_KEY (the runtime's own fallback), never from args (visible in ps)
     args += ["--block-size", str(rt.block_size),
              "--kv-cache-memory", str(pod.parse_bytes(rt.kv_cache_memory, "kvCacheMemory"))]
     if rt.max_model_len:
@@ -63,7 +62,8 @@ def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_arg
     if uses_connector(spec, role):
         config = json.dumps(kv_connector_config(spec), sort_keys=True, separators=(",", ":"))
         args += ["--kv-connector", spec.kv_transfer.connector, "--kv-connector-config", config]
-    args += ["--kv-events-port", str(names.KV_EVENTS_PORT), "--kv-events-replay-port", str(names.KV_EVENTS_REPLAY_PORT)]
+    args += ["--kv-events-port", str(names.KV_EVENTS_PORT), "--kv-events-replay-port", str(names.KV_EVENTS_REPLAY_PORT),
+             "--kv-events-host", f"$({POD_IP_ENV})"]  # routers in other pods subscribe
     return args + list(rt.extra_args or [])
 
 

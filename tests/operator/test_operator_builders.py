@@ -60,7 +60,7 @@ def test_monolithic_objects_and_exact_serve_args():
     assert container(dep)["args"] == [
         "serve", "--host", "0.0.0.0", "--port", "8000", "--role", "both", "--served-model-name", "smol",
         "--block-size", "16", "--kv-cache-memory", str(2**30), "--dtype", "auto",
-        "--kv-events-port", "5557", "--kv-events-replay-port", "5558"]
+        "--kv-events-port", "5557", "--kv-events-replay-port", "5558", "--kv-events-host", "$(POD_IP)"]
     assert [p["name"] for p in container(dep)["ports"]] == ["http", "kv-events", "kv-replay"]
     assert container(dep)["image"] == names.DEFAULT_IMAGE
 
@@ -166,6 +166,13 @@ def test_disk_connector_mounts_the_claim():
     assert {"name": "kv", "mountPath": "/kv"} in container(dep)["volumeMounts"]
     assert kv_config(dep) == {"path": "/kv/a/b"}
     assert "nixl" not in [p["name"] for p in container(dep)["ports"]]
+
+
+def test_runtime_api_key_only_through_env():
+    spec = {"model": {"name": "smol"}, "runtime": {"apiKeySecretRef": {"name": "k", "key": "key"}}}
+    dep = by_name(reconcile(isvc(spec), Observed(), NOW), "Deployment", "m-decode")
+    assert env_of(dep)["PDSERVE_API_KEY"] == {"secretKeyRef": {"name": "k", "key": "key"}}
+    assert "--api-key" not in container(dep)["args"]
 
 
 def test_redis_url_from_secret_goes_through_env():
