@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import aiohttp
@@ -53,7 +54,8 @@ class Kube:
             cfg = client.Configuration.get_default_copy()
         except config.ConfigException:
             cfg = client.Configuration()
-            await config.load_kube_config(client_configuration=cfg)
+            # read KUBECONFIG now (kubernetes_asyncio's default is fixed at import time)
+            await config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
         return cls(client.ApiClient(configuration=cfg))
 
     async def close(self) -> None:

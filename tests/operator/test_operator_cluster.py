@@ -238,3 +238,28 @@ def test_deleting_the_inference_service_removes_everything(cluster, operator, na
     cluster.kubectl("delete", "-n", namespace, "pdis", "smollm2", "--wait=true", "--timeout=60s")
     cluster.wait_for(lambda: owned(cluster, namespace, "smollm2") == {}, 90, "garbage collection of every child")
     cluster.wait_for(lambda: not cluster.get(f"/api/v1/namespaces/{namespace}/pods")["items"], 90, "pods gone")
+
+
+async def test_api_conflicts_are_retried_then_surface(cluster, chart_release, namespace, monkeypatch, caplog):
+    """kube.Kube retries 409 conflicts with backoff and raises the last one; a 404 on delete is not an error."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from pdserve.operator.kube import ATTEMPTS, Kube
+
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    kube = await Kube.connect()
+    try:
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": namespace},
+              "data": {"a": "1"}}
+        await kube.apply(cm)
+        stale = {**cm, "metadata": {**cm["metadata"], "resourceVersion": "1"}, "data": {"a": "2"}}
+        with caplog.at_level("WARNING", logger="pdserve.operator.kube"), pytest.raises(ApiException) as e:
+            await kube.apply(stale)
+        assert e.value.status == 409
+        assert len([r for r in caplog.records if "retrying PATCH" in r.message]) == ATTEMPTS - 1
+        assert (await kube.get("ConfigMap", namespace, "c"))["data"] == {"a": "1"}
+        await kube.delete("ConfigMap", namespace, "c")
+        await kube.delete("ConfigMap", namespace, "c")  # already gone: fine
+        assert await kube.get("ConfigMap", namespace, "c") is None
+    finally:
+        await kube.close()
