@@ -4,8 +4,6 @@ running the image."""
 
 from __future__ import annotations
 
-import copy
-import json
 from pathlib import Path
 
 import pytest
