@@ -37,8 +37,10 @@ k8s-bins:
 up: install
 	$(VENV)/bin/pdserve up $(UP_ARGS)
 
+# One torch thread per process: the tests run several engine processes at once on small machines, and
+# oversubscribed torch threads slow everything down 5-10x.
 test: install-test system-deps k8s-bins
-	$(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

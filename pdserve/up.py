@@ -73,10 +73,12 @@ class Child:
         log.close()
 
     def healthy(self) -> bool:
+        """200 on /health; for the router also every pod routable (its /health says how many are)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
+                body = json.loads(r.read() or b"{}") if self.name == "router" else {}
+                return r.status == 200 and body.get("routable", 0) >= body.get("endpoints", 0)
+        except (OSError, ValueError):
             return False
 
     def stop(self, grace: float) -> None:
@@ -207,9 +209,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {', '.join(c.name for c in children)}; logs in {children[0].log_path.parent}", flush=True)
     code = 0
     try:
-        for c in children:
+        pods, router = children[:-1], children[-1]  # pods first: the router starts with every pod healthy
+        for c in pods:
             c.start()
-        wait_healthy(children, args.startup_timeout)
+        wait_healthy(pods, args.startup_timeout)
+        router.start()
+        wait_healthy([router], args.startup_timeout)
         base = f"http://{args.host}:{args.port}/v1"
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\npdserve is up. OpenAI base URL: {base}\n"

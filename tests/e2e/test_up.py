@@ -44,7 +44,9 @@ def _children(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens there any more (TIME_WAIT leftovers are fine: servers bind with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
