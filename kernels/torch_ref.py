@@ -15,14 +15,38 @@ import torch.nn.functional as F
 from pdserve.kernels.base import AttentionBackend, AttentionMetadata, register_backend
 
 
+def block_rows(kv_layer: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The layer's cache as contiguous rows, one (key or value) block per row -> (rows (R, bs * Hkv * D), block_step,
+    kv_step): block b's keys are row ``b * block_step``, its values row ``b * block_step + kv_step``.
+
+    Why: ``index_select`` over dim 0 of a contiguous 2-D tensor copies whole rows (memcpy), several times faster than
+    advanced indexing of the strided layer view. Each block's (bs, Hkv, D) must be contiguous, as the layout guarantees.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    row = block_size * num_kv_heads * head_dim
+    s0, s1 = kv_layer.stride(0), kv_layer.stride(1)
+    if kv_layer[0, 0].is_contiguous() and s0 % row == 0 and s1 % row == 0:
+        block_step, kv_step = s0 // row, s1 // row
+        num_rows = (num_blocks - 1) * block_step + kv_step + 1
+        return kv_layer.as_strided((num_rows, row), (row, 1), kv_layer.storage_offset()), block_step, kv_step
+    rows = kv_layer.reshape(num_blocks * 2, row)   # any other strides: a copy, still correct
+    return rows, 2, 1
+
+
+def gather_blocks(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks ``tables`` (..., nb) names, back to back -> 2 x (..., nb * bs, Hkv, D), contiguous."""
+    rows, block_step, kv_step = block_rows(kv_layer)
+    idx = tables.long() * block_step
+    kv = rows.index_select(0, torch.stack((idx, idx + kv_step)).flatten())     # (2 * prod(tables.shape), row)
+    kv = kv.view(2, *tables.shape[:-1], tables.shape[-1] * kv_layer.shape[2], *kv_layer.shape[3:])
+    return kv[0], kv[1]
+
+
 def gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first ``num_tokens`` cache slots named by one sequence's ``block_table`` -> 2 x (L, Hkv, D)."""
-    block_size = kv_layer.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    table = block_table[:num_blocks].long()
-    k = kv_layer[:, 0][table].flatten(0, 1)[:num_tokens]        # (nb, bs, Hkv, D) -> (L, Hkv, D)
-    v = kv_layer[:, 1][table].flatten(0, 1)[:num_tokens]        # (L, Hkv, D)
-    return k, v
+    num_blocks = -(-num_tokens // kv_layer.shape[2])
+    k, v = gather_blocks(kv_layer, block_table[:num_blocks])   # 2 x (nb * bs, Hkv, D)
+    return k[:num_tokens], v[:num_tokens]
 
 
 def context_slots(meta: AttentionMetadata, block_size: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +121,8 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     for dg in plan.decode_groups:
         b = dg.rows.shape[0]
-        k = kv_layer[:, 0][dg.tables].flatten(1, 2).to(q.dtype)             # (B, nb, bs, Hkv, D) -> (B, L, Hkv, D)
-        v = kv_layer[:, 1][dg.tables].flatten(1, 2).to(q.dtype)             # (B, L, Hkv, D)
+        k, v = gather_blocks(kv_layer, dg.tables)                           # 2 x (B, L, Hkv, D)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qg = q[dg.rows].view(b, num_kv_heads, group, head_dim)              # (B, Hkv, G, D): the group acts as query rows
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dg.mask, scale=scale)
         out[dg.rows] = o.reshape(b, num_heads, head_dim)                    # (B, Hkv, G, D) -> (B, H, D)

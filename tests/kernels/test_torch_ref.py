@@ -68,3 +68,15 @@ def test_decodes_are_bucketed_by_length():
     assert [g.rows.tolist() for g in plan.decode_groups] == [[1, 3], [0, 4, 2]]  # longest first
     assert [g.tables.shape[1] for g in plan.decode_groups] == [7, 2]  # 100 -> 7 blocks, 20 -> 2 blocks
     assert plan.prefills == [(5, 5, 7, 7)]
+
+
+def test_gather_blocks_reads_one_layer_of_a_block_major_cache():
+    from pdserve.kernels.torch_ref import gather_blocks
+
+    cache = torch.randn(5, 3, 2, 4, 2, 8)   # (num_blocks, num_layers, 2, block_size, Hkv, D): layer views are strided
+    tables = torch.tensor([[4, 0], [2, 3]])
+    for kv_layer in (cache[:, 1], cache[:, 2].clone()):
+        k, v = gather_blocks(kv_layer, tables)
+        assert k.shape == (2, 8, 2, 8)
+        torch.testing.assert_close(k, kv_layer[:, 0][tables].flatten(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(v, kv_layer[:, 1][tables].flatten(1, 2), rtol=0, atol=0)
