@@ -23,6 +23,7 @@ import httptools
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
+LINGER_SECONDS = 2.0  # how long a connection answered before its request ended may keep discarding input
 REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
            408: b"Request Timeout", 413: b"Payload Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields "
            b"Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
@@ -80,6 +81,8 @@ class _Cycle:
             if not has_length:
                 self.chunked = True
                 parts.append(b"transfer-encoding: chunked\r\n")
+            if self.conn.parsing is self:  # answered before the body arrived: the connection closes after it
+                self.keep_alive = False
             if not self.keep_alive:
                 parts.append(b"connection: close\r\n")
             parts.append(b"\r\n")
@@ -117,6 +120,7 @@ class _Connection(asyncio.Protocol):
         self.current: _Cycle | None = None
         self.parsing: _Cycle | None = None      # the cycle whose body is still arriving
         self.too_large = False
+        self.lingering = False                  # answered and closing: the rest of the input is discarded
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
@@ -156,6 +160,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         # (the idle timer keeps running until a whole request has arrived: it also bounds slow request reads)
+        if self.lingering:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -170,7 +176,17 @@ class _Connection(asyncio.Protocol):
         body = b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}' % text
         self.transport.write(_status_line(status) + b"content-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (len(body), body))
-        self.transport.close()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close a connection whose request was not read to the end. A plain close with unread input makes the kernel
+        send RST, which can destroy the response before the client has read it; so send FIN after the response,
+        discard whatever still arrives, and close when the client does or after LINGER_SECONDS."""
+        self.lingering = True
+        self.transport.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def _arm_idle(self) -> None:
         self._idle = self.loop.call_later(self.server.keep_alive_timeout, self.transport.close)
@@ -247,7 +263,10 @@ class _Connection(asyncio.Protocol):
 
     def on_response_complete(self, cycle: _Cycle) -> None:
         self.current = None
-        if not cycle.keep_alive or self.server.stopping or self.parsing is cycle:  # (answered before the whole body)
+        if self.parsing is cycle:  # answered before the whole body arrived (the response said so)
+            self._linger_close()
+            return
+        if not cycle.keep_alive or self.server.stopping:
             self.transport.close()
             return
         if self.pending:

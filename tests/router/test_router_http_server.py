@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
@@ -87,3 +88,46 @@ async def test_bad_requests_and_timeouts(server):
     # Connection: close is honoured
     out = await exchange(server.port, b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert b"connection: close" in out and out.endswith(b"GET /c ")
+
+
+async def reject_early_app(scope, receive, send):
+    """Answers 413 from the headers alone, never reading the body (as the router does for oversized requests)."""
+    if scope["type"] == "lifespan":
+        await echo_app(scope, receive, send)
+        return
+    body = b'{"error": "too large"}'
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_early_answer_says_connection_close_and_still_reaches_the_client():
+    # The server answers 413 from the headers alone, before the body arrives, and then closes the connection: the
+    # response must say so (else a keep-alive client reuses the dying connection and loses its next request), and the
+    # close must not be an RST that destroys the response (input arriving after the answer is discarded).
+    srv = Server(reject_early_app, "127.0.0.1", 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        srv.port = s.getsockname()[1]
+    task = asyncio.create_task(srv.serve(install_signals=False))
+    await asyncio.wait_for(srv.started.wait(), 10)
+    try:
+        def client() -> bytes:
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as c:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n")
+                time.sleep(0.3)                  # the server has answered
+                try:
+                    c.sendall(b"x" * 65536)
+                except OSError:
+                    pass
+                out = b""
+                while chunk := c.recv(65536):
+                    out += chunk
+                return out
+
+        out = await asyncio.to_thread(client)
+        assert out.startswith(b"HTTP/1.1 413") and out.endswith(b'{"error": "too large"}')
+        assert b"connection: close\r\n" in out.lower()
+    finally:
+        srv.stop()
+        await asyncio.wait_for(task, 10)
