@@ -22,6 +22,11 @@ class PrecisePrefixScorer(Scorer):
         n = len(ctx.block_hashes)
         if n == 0:
             return [0.0] * len(pods)
-        matched = self.index.match(ctx.block_hashes, [p.url for p in pods])
-        ctx.matched_blocks.update(matched)
+        matched = self.match(ctx, [p.url for p in pods])
         return [matched[p.url] / n for p in pods]
+
+    def match(self, ctx: RequestContext, urls: list[str]) -> dict[str, int]:
+        """Leading blocks of the prompt each pod holds (also recorded in ``ctx.matched_blocks``)."""
+        matched = self.index.match(ctx.block_hashes, urls)
+        ctx.matched_blocks.update(matched)
+        return matched

@@ -8,19 +8,13 @@ sends it back to its last pod. Weighted below the precise scorer, which wins whe
 
 from __future__ import annotations
 
-from pdserve.router.endpoints import Endpoint
-from pdserve.router.framework import RequestContext, Scorer, register
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.framework import RequestContext, register
+from pdserve.router.plugins.precise_prefix import PrecisePrefixScorer
 
 
 @register("route-history")
-class RouteHistoryScorer(Scorer):
-    def __init__(self, index: PrefixIndex):
-        self.index = index
+class RouteHistoryScorer(PrecisePrefixScorer):
+    """Scores like the precise prefix scorer, from where prefixes were last routed instead of what pods hold."""
 
-    def score(self, ctx: RequestContext, pods: list[Endpoint]) -> list[float]:
-        n = len(ctx.block_hashes)
-        if n == 0:
-            return [0.0] * len(pods)
-        matched = self.index.match_history(ctx.block_hashes, [p.url for p in pods])
-        return [matched[p.url] / n for p in pods]
+    def match(self, ctx: RequestContext, urls: list[str]) -> dict[str, int]:
+        return self.index.match_history(ctx.block_hashes, urls)
