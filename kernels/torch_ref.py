@@ -1,6 +1,6 @@
 """Torch reference attention backend ("torch"): the CPU default and the oracle the Triton/flash kernels are tested against.
 
-Decode tokens (one new token per sequence) are batched into a few SDPA calls over padded gathers of their contexts,
+Decode tokens (one new token per sequence) are batched into a few GEMM pairs over padded gathers of their contexts,
 bucketed by length so that padding stays small; prefill chunks run one SDPA call per sequence with a causal mask offset
 by the cached context length. The bucketing is planned once per step and shared by all layers.
 """
@@ -104,6 +104,27 @@ def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, ma
     return StepPlan(decode_groups, prefills)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its padded context: q (B, H, D), k/v (B, L, Hkv, D), mask (B, 1, 1, L) bool
+    (True = a real slot) -> (B, H, D).
+
+    Why not SDPA: with one query per head its kernel multiplies tiny (G, D) x (D, L) tiles per (sequence, head). Here
+    the queries form a block-diagonal (Hkv * D, H) matrix, so both products are one GEMM per sequence over K and V in
+    their gathered layout, (L, Hkv * D); the zero blocks cost Hkv x the (small) FLOPs but no copies or transposes.
+    """
+    b, num_heads, head_dim = q.shape
+    seq, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    q_bd = q.new_zeros(b, num_kv_heads, head_dim, num_kv_heads, group)
+    q_bd.diagonal(dim1=1, dim2=3).copy_(q.view(b, num_kv_heads, group, head_dim).permute(0, 3, 2, 1))  # (B, D, G, Hkv)
+    s = torch.bmm(k.view(b, seq, -1), q_bd.view(b, num_kv_heads * head_dim, num_heads)).float() * scale  # (B, L, H)
+    s.masked_fill_(~mask.view(b, seq, 1), float("-inf"))
+    p = s.softmax(1).to(q.dtype)                                                       # (B, L, H)
+    o = torch.bmm(p.transpose(1, 2), v.view(b, seq, -1))                               # (B, H, Hkv * D)
+    o = o.view(b, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # (B, G, D, Hkv): head j's own V
+    return o.permute(0, 3, 1, 2).reshape(b, num_heads, head_dim)
+
+
 def paged_attention_ref(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, plan: StepPlan | None = None,
@@ -114,18 +135,13 @@ def paged_attention_ref(
     saving a gather; values are identical to the cache's when the cache dtype equals the compute dtype.
     ``plan``: :func:`plan_step` of ``meta``, computed once per step by the caller (else here).
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_layer.shape[3]
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // kv_layer.shape[3]
     plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
     out = torch.empty_like(q)
     for dg in plan.decode_groups:
-        b = dg.rows.shape[0]
         k, v = gather_blocks(kv_layer, dg.tables)                           # 2 x (B, L, Hkv, D)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        qg = q[dg.rows].view(b, num_kv_heads, group, head_dim)              # (B, Hkv, G, D): the group acts as query rows
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dg.mask, scale=scale)
-        out[dg.rows] = o.reshape(b, num_heads, head_dim)                    # (B, Hkv, G, D) -> (B, H, D)
+        out[dg.rows] = decode_attention(q[dg.rows], k, v, dg.mask, scale)
     for s, lo, q_len, seq_len in plan.prefills:
         if new_kv is not None and seq_len == q_len and new_kv[0].dtype == kv_layer.dtype:
             k, v = new_kv[0][lo:lo + q_len], new_kv[1][lo:lo + q_len]

@@ -80,3 +80,15 @@ def test_gather_blocks_reads_one_layer_of_a_block_major_cache():
         assert k.shape == (2, 8, 2, 8)
         torch.testing.assert_close(k, kv_layer[:, 0][tables].flatten(1, 2), rtol=0, atol=0)
         torch.testing.assert_close(v, kv_layer[:, 1][tables].flatten(1, 2), rtol=0, atol=0)
+
+
+def test_decode_attention_matches_sdpa_over_padded_contexts():
+    from pdserve.kernels.torch_ref import decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    B, H, Hkv, L, D = 3, 6, 2, 20, 8
+    q, k, v = torch.randn(B, H, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen)
+    mask = (torch.arange(L)[None, :] < torch.tensor([20, 7, 13])[:, None])[:, None, None, :]   # (B, 1, 1, L)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, Hkv, H // Hkv, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(decode_attention(q, k, v, mask, 0.3), want.reshape(B, H, D), atol=1e-5, rtol=1e-5)
