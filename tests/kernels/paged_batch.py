@@ -46,3 +46,22 @@ class PagedBatchBuilder:
             query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
         )
         return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+def run_model_steps(model, seqs: dict[int, torch.Tensor], schedule: list[dict[int, int]], *, num_blocks: int,
+                    block_size: int, seed: int) -> dict[int, list[torch.Tensor]]:
+    """Run ``schedule`` (per step: seq -> number of new tokens) through ``model`` over a fresh paged cache and collect
+    each sequence's logits rows in order."""
+    builder = PagedBatchBuilder(num_blocks=num_blocks, block_size=block_size, seed=seed)
+    kv = torch.zeros(num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+    done = {s: 0 for s in seqs}
+    rows: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+    for step in schedule:
+        meta, positions = builder.step(step)
+        ids = torch.cat([seqs[s][done[s]:done[s] + n] for s, n in step.items()])
+        with torch.no_grad():
+            logits = model.compute_logits(model(ids, positions, kv, meta))
+        for s, chunk in zip(step, logits.split(list(step.values()))):
+            rows[s].append(chunk)
+            done[s] += step[s]
+    return rows

@@ -7,7 +7,7 @@ import transformers
 
 from pdserve.kernels import select_backend
 from pdserve.runtime.model_loader import build_model
-from tests.kernels.paged_batch import PagedBatchBuilder
+from tests.kernels.paged_batch import run_model_steps
 
 
 def test_tiny_model_on_triton_matches_hf(tmp_path):
@@ -25,18 +25,8 @@ def test_tiny_model_on_triton_matches_hf(tmp_path):
                         torch.float32, select_backend("triton", "cpu"), 128)
 
     seqs = {0: torch.randint(0, 64, (21,)), 1: torch.randint(0, 64, (6,))}
-    builder = PagedBatchBuilder(num_blocks=8, block_size=16, seed=4)
-    kv = torch.zeros(8, 2, 2, 16, 2, 16)
-    rows: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    done = {0: 0, 1: 0}
-    for step in [{0: 12, 1: 5}, {1: 1, 0: 9}]:  # a chunk over cached context next to a decode
-        meta, positions = builder.step(step)
-        ids = torch.cat([seqs[s][done[s]:done[s] + n] for s, n in step.items()])
-        with torch.no_grad():
-            logits = model.compute_logits(model(ids, positions, kv, meta))
-        for s, chunk in zip(step, logits.split(list(step.values()))):
-            rows[s].append(chunk)
-            done[s] += step[s]
+    # a chunk over cached context next to a decode
+    rows = run_model_steps(model, seqs, [{0: 12, 1: 5}, {1: 1, 0: 9}], num_blocks=8, block_size=16, seed=4)
     for s, ids in seqs.items():
         with torch.no_grad():
             ref = hf(ids[None]).logits[0]

@@ -13,7 +13,7 @@ import transformers
 
 from pdserve.kernels import select_backend
 from pdserve.runtime.model_loader import build_model
-from tests.kernels.paged_batch import PagedBatchBuilder
+from tests.kernels.paged_batch import run_model_steps
 
 BLOCK = 16
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -65,20 +65,7 @@ def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _run_steps(model, seqs: dict[int, torch.Tensor], schedule: list[dict[int, int]]) -> dict[int, list[torch.Tensor]]:
-    """Run ``schedule`` (per step: seq -> number of new tokens) and collect each sequence's logits rows in order."""
-    builder = PagedBatchBuilder(num_blocks=64, block_size=BLOCK, seed=1)
-    kv = torch.zeros(64, model.num_layers, 2, BLOCK, model.num_kv_heads, model.head_dim)
-    done = {s: 0 for s in seqs}
-    rows: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
-    for step in schedule:
-        meta, positions = builder.step(step)
-        ids = torch.cat([seqs[s][done[s]:done[s] + n] for s, n in step.items()])
-        with torch.no_grad():
-            logits = model.compute_logits(model(ids, positions, kv, meta))
-        for s, chunk in zip(step, logits.split(list(step.values()))):
-            rows[s].append(chunk)
-            done[s] += step[s]
-    return rows
+    return run_model_steps(model, seqs, schedule, num_blocks=64, block_size=BLOCK, seed=1)
 
 
 def test_tied_embeddings_and_biases_follow_config(pair):
