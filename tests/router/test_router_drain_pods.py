@@ -154,3 +154,8 @@ def test_sigterm_to_a_pod_under_streaming_load_fails_nothing(pods, reference, ma
             f.result()
     assert [e for _, _, e in results if e] == []
     assert all(text == reference[i] for i, text, _ in results), results
+    # B16 left the rotation on its first drain answer: at most one retry per client that raced into it, not one per
+    # request until a health check or the circuit breaker noticed
+    text = httpx.get(r.url + "/metrics").text
+    retries = sum(v for k, v in parse_samples(text).items() if k.startswith("pdserve_router_retries_total"))
+    assert retries <= 3, text
