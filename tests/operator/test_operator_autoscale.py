@@ -134,9 +134,9 @@ def test_replicas_follow_load_per_role_and_come_down_after_the_window(cluster, o
     body["metadata"]["name"] = "auto"
     body["spec"]["autoscaling"] = AUTOSCALING
     apply(cluster, namespace, yaml.safe_dump(body))
-    pdbs = cluster.wait_for(lambda: cluster.get(
+    pdbs = cluster.wait_for(lambda: (items := cluster.get(
         f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets?labelSelector={names.INSTANCE_LABEL}=auto"
-    )["items"], 60, "PodDisruptionBudgets")
+    )["items"]) and len(items) == 3 and items, 60, "PodDisruptionBudgets")
     assert sorted(p["metadata"]["name"] for p in pdbs) == ["auto-decode", "auto-prefill", "auto-router"]
     with FakePods(cluster, namespace, "auto") as pods:
         # 1. slow TTFT with decode idle: prefill grows to its max step by step, decode stays
