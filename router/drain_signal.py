@@ -6,8 +6,9 @@ their KV fingerprint.
   The health monitor makes it healthy again only when its ``/health`` answers 200 (a new process at that address).
 - ``/health`` carries ``kv_fingerprint``; ``compatible`` pairs a prefill pod with a decode pod only when their
   fingerprints are equal, so during a rollout that changes the model, dtype or block size no handoff crosses
-  versions (the decode pod would reject the KV anyway and recompute). Pods that advertise none (vLLM pods, or
-  before their first health check) pair only with each other: an unknown fingerprint is not a match for a known one.
+  versions. A pod that advertises none (a vLLM pod, or one not health-checked yet) pairs with any: the decode
+  pod's connector still checks the fingerprint before reading and recomputes on a mismatch, so this only costs a
+  wasted handoff, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ def fingerprint_from_health(body: bytes) -> str | None:
 
 
 def compatible(prefill: Any, decode: Any) -> bool:
-    return prefill.kv_fingerprint == decode.kv_fingerprint
+    a, b = prefill.kv_fingerprint, decode.kv_fingerprint
+    return a is None or b is None or a == b
