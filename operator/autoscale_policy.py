@@ -15,6 +15,9 @@ pool:
 4. no scale-up while the pool still has replicas that are not ready (the pods added last time are not serving yet,
    so the window cannot show their effect); scale-down is still allowed.
 
+Latency ratios drive scale-down too (proportionally, one step per decision by default); a pool never goes below
+``minReplicas`` >= 1, since with no pod there would be no metrics to scale up from.
+
 Each pool is decided on its own metrics, which is what makes it P:D-aware: TTFT over target with an idle decode pool
 grows prefill only, and ITL/KV pressure with fast prefill grows decode only.
 """

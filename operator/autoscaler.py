@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.operator import names
@@ -154,9 +155,18 @@ class Autoscaler:
             self.metrics.observe(ns, name, d.role, pools[d.role][1], d)
             if d.direction == "none":
                 continue
-            await self.kube.set_replicas(ns, name, d.role, d.desired)
+            try:
+                await self.kube.set_replicas(ns, name, d.role, d.desired)
+            except ApiException as e:
+                if e.status == 404:  # deleted meanwhile
+                    self.forget(ns, name)
+                    return decisions
+                raise
             reason = "ScaledUp" if d.direction == "up" else "ScaledDown"
             message = f"{d.role} {d.current} -> {d.desired}: {d.reason}"
             log.info("%s/%s %s: %s", ns, name, reason, message)
-            await self.kube.post_event(body, "Normal", reason, message)
+            try:
+                await self.kube.post_event(body, "Normal", reason, message)
+            except (ApiException, aiohttp.ClientError, asyncio.TimeoutError) as e:  # an Event is best effort
+                log.warning("%s/%s: could not post %s Event: %s", ns, name, reason, e)
         return decisions

@@ -124,7 +124,8 @@ class RoleAutoscaling(_Model):
         ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
         ("has(self.ttftP90Seconds) || has(self.itlP90Seconds) || has(self.kvCacheUsage) || has(self.queueDepth)"
          " || has(self.promptTokensPerSecond)", "autoscaling needs at least one target")))
-    min_replicas: int = Field(1, ge=0, le=10000)
+    min_replicas: int = Field(1, ge=1, le=10000, description="At least 1: a pool with no pod has no metrics to "
+                              "scale up from (scale a pool to 0 by hand, without autoscaling).")
     max_replicas: int = Field(ge=1, le=10000)
     ttft_p90_seconds: float | None = Field(None, gt=0, description="Time-to-first-token p90 target (prefill).")
     itl_p90_seconds: float | None = Field(None, gt=0, description="Inter-token latency p90 target (decode).")

@@ -116,6 +116,7 @@ def events(cluster, ns: str, reason: str) -> list[str]:
     ({"decode": {"maxReplicas": 2}}, "autoscaling needs at least one target"),
     ({"decode": {"maxReplicas": 2, "itlP90Seconds": 0}}, "spec.autoscaling.decode.itlP90Seconds"),
     ({"decode": {"maxReplicas": 2, "kvCacheUsage": 1.5}}, "spec.autoscaling.decode.kvCacheUsage"),
+    ({"decode": {"minReplicas": 0, "maxReplicas": 2, "queueDepth": 4}}, "spec.autoscaling.decode.minReplicas"),
 ])
 def test_autoscaling_schema_rejects_invalid(cluster, chart_release, namespace, patch, message):
     body = example()
