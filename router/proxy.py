@@ -18,6 +18,7 @@ import logging
 from typing import Any, Callable
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.drain_signal import compatible
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.framework import Profile, RequestContext
 from pdserve.router.metrics import RouterMetrics
@@ -95,7 +96,8 @@ class Router:
 
         if self.pool.prefillers:
             uncached = ctx.num_prompt_tokens - int(ctx.matched_blocks.get(decode_ep.url, 0)) * cfg.block_size
-            can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url)
+            can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url
+                           and compatible(p, decode_ep))  # same KV fingerprint, else decode-only
             if uncached <= cfg.pd_threshold:
                 m.child(m.pd_decisions, "local_short").inc()
             elif not any(p.routable and can_prefill(p) for p in self.pool.prefillers):

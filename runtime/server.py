@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
+from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import envs
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -68,6 +69,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
     metrics = ServerMetrics(engine.served_model_name)
     state = _State(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
     builder = ResponseBuilder(engine)
+    kv_fingerprint = drain_mod.fingerprint(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +95,8 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
         if state.draining:
             metrics.rejected("draining")
-            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S})
+            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
+                                                                    drain_mod.DRAIN_HEADER: "1"})
         if state.async_engine.dead is not None:
             raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
 
@@ -104,8 +107,8 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         if state.async_engine.dead is not None:
             return JSONResponse({"status": "engine dead"}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "role": options.role})
+            return JSONResponse({"status": "draining"}, status_code=503, headers={drain_mod.DRAIN_HEADER: "1"})
+        return JSONResponse({"status": "ok", "role": options.role, "kv_fingerprint": kv_fingerprint})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -172,7 +175,7 @@ async def drain(app: FastAPI, grace_period_s: float) -> int:
     state.draining = True
     ae = state.async_engine
     deadline = time.monotonic() + grace_period_s
-    while ae.num_inflight and time.monotonic() < deadline:
+    while drain_mod.busy(state.engine, ae) and time.monotonic() < deadline:  # also leased KV (see runtime/drain.py)
         await asyncio.sleep(0.05)
     aborted = ae.abort_all()
     if aborted:

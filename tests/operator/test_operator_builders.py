@@ -49,7 +49,8 @@ def test_monolithic_objects_and_exact_serve_args():
     assert r.error is None and r.prune == []
     assert [(o["kind"], o["metadata"]["name"]) for o in r.objects] == [
         ("ConfigMap", "m-config"), ("ServiceAccount", "m-router"), ("Role", "m-router"), ("RoleBinding", "m-router"),
-        ("Service", "m-pods"), ("Deployment", "m-decode"), ("Deployment", "m-router"), ("Service", "m")]
+        ("Service", "m-pods"), ("Deployment", "m-decode"), ("Deployment", "m-router"), ("Service", "m"),
+        ("PodDisruptionBudget", "m-decode"), ("PodDisruptionBudget", "m-router")]
     assert [(o["kind"], o["metadata"]["name"]) for o in r.create_only] == [("Secret", "m-kv-token")]
     dep = by_name(r, "Deployment", "m-decode")
     assert dep["spec"]["replicas"] == 1
