@@ -122,7 +122,9 @@ def test_router_deployment_rbac_and_service():
         "--namespace", "ns", "--role-label", "pdserve.dev/role", "--policy", "least-loaded", "--pd-threshold", "64",
         "--block-size", "16", "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
         "--api-key", "$(PDSERVE_API_KEY)"]
-    assert env_of(dep) == {"PDSERVE_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+    assert env_of(dep) == {"PDSERVE_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}},
+                           # the KV secret signs the router's handoffs to prefill pods
+                           "PDSERVE_KV_TOKEN": {"secretKeyRef": {"name": "m-kv-token", "key": "token"}}}
     assert container(dep)["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
     role = by_name(r, "Role", "m-router")
     assert role["rules"] == [
