@@ -10,10 +10,11 @@ the blocks and hashes the reader read). Blocks are freed (``get_finished`` sendi
 The params are signed with the deployment's secret and expire with the lease (:mod:`kv_auth`).
 
 Decode - a request with ``do_remote_prefill`` params whose signature checks out (anything else is ignored before any
-connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match its own prompt beyond its
-local prefix hits and loads them in a background thread: handshake (mutually authenticated and bound to the peer's engine id and
-address, so no relay; cached per peer; a peer whose call fails is dropped and re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats
-keep the lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
+connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
+its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
+bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
+re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats keep the
+lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
 blocks were never freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of
 returning wrong tokens, and params edited to point elsewhere fail it (``corrupt``). Finally each block's checksum is
 re-checked (``verify_checksums``, default on for CPU caches).

@@ -77,7 +77,7 @@ def handoff(p, text: str) -> dict:
     r = complete(p.url, text, raw=body, headers={kv_auth.HANDOFF_HEADER: kv_auth.handoff_header(SECRET.encode(), body)})
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] and params["remote_block_ids"] and kv_auth.SIGNATURE_FIELD in params
+    assert params["do_remote_prefill"] and params["remote_block_ids"]
     return params
 
 
@@ -120,6 +120,15 @@ def _forge(params: dict, port: int, how: str) -> dict:
         return evil                      # the prefill's signature, over other values
     body = {k: v for k, v in evil.items() if k not in (kv_auth.SIGNATURE_FIELD, kv_auth.EXPIRES_FIELD)}
     return kv_auth.sign_params(body, SECRET.encode(), -60)   # signed with the secret, but long expired
+
+
+def test_prefill_signs_the_whole_parameter_set(pods):
+    p, _ = pods
+    params = handoff(p, prompt("signed"))
+    assert kv_auth.verify_params(params, SECRET.encode()) is None
+    assert params[kv_auth.EXPIRES_FIELD] > params["lease_ms"] // 1000 and params["lease_id"]
+    assert kv_auth.verify_params({**params, "remote_port": params["remote_port"] + 1}, SECRET.encode()) == \
+        "bad_signature"
 
 
 @pytest.mark.parametrize("how", ["unsigned", "bad_signature", "expired"])
