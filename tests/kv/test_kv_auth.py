@@ -222,3 +222,17 @@ def test_store_writer_queue_is_bounded(tmp_path):
     conn.flush(30)
     assert conn.metrics()["kv_blocks_saved"] == 2
     conn.shutdown()
+
+
+def test_router_drops_client_params_unless_trusted():
+    import json
+
+    from pdserve.router.pd import client_body
+
+    body = {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}}
+    raw = json.dumps(body).encode()
+    stripped, data = client_body(body, raw, trusted=False)
+    assert "kv_transfer_params" not in stripped and json.loads(data) == {"prompt": "hi"}
+    assert client_body(body, raw, trusted=True) == (body, raw)        # --trust-client-kv-params: a router in front
+    plain = {"prompt": "hi"}
+    assert client_body(plain, b"x", trusted=False) == (plain, b"x")   # nothing to strip: the bytes go as sent
