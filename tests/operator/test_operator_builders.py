@@ -87,7 +87,7 @@ def test_disaggregated_pools_nixl_and_probes():
         assert args[args.index("--role") + 1] == role
         assert args[args.index("--kv-connector") + 1] == "nixl"
         # the kubelet expands $(POD_IP) (defined first in env) when it starts the container
-        assert kv_config(dep) == {"host": "0.0.0.0", "port": 5600, "advertise_host": "$(POD_IP)"}
+        assert kv_config(dep) == {"host": "$(POD_IP)", "port": 5600, "advertise_host": "$(POD_IP)"}
         assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         assert {"name": "nixl", "containerPort": 5600} in c["ports"]
         assert c["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
