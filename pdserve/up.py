@@ -153,7 +153,8 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
     router = Child("router", [*exe, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                               "--tokenizer", model_path, *router_targets,
                               *(a for src in event_sources for a in ("--kv-events-source", src)),
-                              *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log")
+                              *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log",
+                   env=pod_env)   # the router signs its prefill handoffs with the same KV secret
     return [*pods, router]
 
 

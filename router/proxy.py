@@ -22,7 +22,7 @@ from pdserve.router.drain_signal import compatible
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.framework import Profile, RequestContext
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pd import decode_body, run_prefill
+from pdserve.router.pd import client_body, decode_body, kv_secret, run_prefill
 from pdserve.router.policies import build_profile, needs_tokens
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prompt import PromptTokenizer, block_hashes, estimate_tokens
@@ -82,6 +82,7 @@ class Router:
                        send: Send) -> str:
         """Handle one completion/chat request; returns the outcome label for metrics."""
         cfg, m = self.cfg, self.metrics
+        body, raw = client_body(body, raw, cfg.trust_client_kv_params)
         ctx = self.context(path, body, headers, request_id)
         decision = self.decode_profile.schedule(ctx, self.pool.decoders)
         if decision is None:
@@ -105,7 +106,7 @@ class Router:
             else:
                 m.child(m.pd_decisions, "disaggregated").inc()
                 pick = self.picker(self.prefill_profile, ctx, lambda: self.pool.prefillers, "prefill", can_prefill)
-                res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts)
+                res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts, kv_secret(cfg))
                 if res.client_error is not None:
                     status, data = res.client_error
                     await send_bytes(send, status, data, extra=[(b"x-request-id", request_id.encode())])

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
+from pdserve.kv_connectors import kv_auth
 from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import envs
 from pdserve.runtime import metrics as metrics_mod
@@ -197,8 +198,9 @@ async def _json(request: Request) -> Any:
         raw += part
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body must be at most {MAX_BODY_BYTES} bytes")
+    request.state.raw_body = data = bytes(raw)   # the KV handoff check MACs the exact bytes
     try:
-        return json.loads(bytes(raw))
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
@@ -261,6 +263,7 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
         metrics.rejected("queue_full")
         raise ApiError(503, f"server overloaded: {ae.num_unstarted} requests waiting (limit {max_waiting})",
                        headers={"Retry-After": RETRY_AFTER_S})
+    _check_kv_handoff(request, state, req.kv_transfer_params)
     base_id, rid = _request_id(request, state, req.request_id)
     arrival = time.monotonic()
     try:
@@ -285,6 +288,19 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
                        code="engine_error", headers={"Retry-After": RETRY_AFTER_S})
     body = builder.full(kind, req, resp_id, prompt_ids, final)
     return JSONResponse(body, headers=headers)
+
+
+def _check_kv_handoff(request: Request, state: _State, params: Any) -> None:
+    """403 unless a request asking this pod to hold its blocks for a remote decode comes from the deployment's router
+    (its KV-secret handoff header) or carries the pod's API key (checked by ``guard``); see kv_connectors/kv_auth."""
+    conn = getattr(state.engine, "connector", None)
+    if conn is None or not kv_auth.wants_handoff(params):
+        return
+    denial = kv_auth.handoff_denial(getattr(conn, "secret", None), request.headers.get(kv_auth.HANDOFF_HEADER),
+                                    getattr(request.state, "raw_body", b""), api_key_ok=bool(state.options.api_key))
+    if denial:
+        conn.stats.add("kv_handoffs_rejected")
+        raise ApiError(403, denial, param="kv_transfer_params", code="kv_handoff_unauthorized")
 
 
 async def _await_final(request: Request, state: _State, stream: RequestStream,
