@@ -9,8 +9,8 @@
 # nothing is left running: no process whose cwd or command line is inside the clone, nothing listening on 8080 or on
 # the pods' ports. Prints `newcomer check: PASS|FAIL ...` last; exits non-zero on failure; always cleans up.
 #
-# pip's download cache (~/.cache/pip) is reused on purpose: it holds wheels as downloaded from PyPI, not an installed
-# environment, and a cold download of torch would only measure the network.
+# pip's download cache (~/.cache/pip, where pip keeps one) is reused on purpose: it holds wheels as downloaded from
+# PyPI, not an installed environment, and a cold download of torch would only measure the network.
 #
 # Usage: scripts/newcomer-check.sh   (env: NEWCOMER_START_TIMEOUT=1500 s, NEWCOMER_STOP_TIMEOUT=120 s,
 #        NEWCOMER_CLIENT_PYTHON=<python with `openai`>, default this checkout's .venv from `make install-test`)
