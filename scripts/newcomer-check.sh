@@ -99,6 +99,7 @@ cd "$CLONE"
 env "${UNSETS[@]}" PATH="$PATH_CLEAN" PDSERVE_CACHE_DIR="$WORK/cache" HF_HOME="$WORK/hf" PYTHONUNBUFFERED=1 \
   bash -c "$CMD" </dev/null >"$WORK/up.log" 2>&1 &
 PGID=$!
+set +m  # the job keeps its own process group; no job-status chatter from here on
 cd "$WORK"
 
 URL="http://127.0.0.1:$PORT/v1"
@@ -128,7 +129,7 @@ print(f"[newcomer] {model} answered: {text!r}")
 EOF
 
 # The pods' ports, from the command's own start-up lines, to check they are released too.
-PORTS="$PORT $(grep -oE 'ready on port [0-9]+' "$WORK/up.log" | awk '{print $4}' | sort -u | tr '\n' ' ')"
+PORTS=$( (echo "$PORT"; grep -oE 'ready on port [0-9]+' "$WORK/up.log" | awk '{print $4}') | sort -un | paste -sd' ' -)
 say "stopping with SIGINT to process group $PGID"
 kill -INT -- "-$PGID"
 deadline=$((SECONDS + STOP_TIMEOUT))
