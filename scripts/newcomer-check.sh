@@ -28,7 +28,7 @@ WORK="" PGID="" CLONE=""
 say() { printf '[newcomer %4ds] %s\n' $((SECONDS - T0)) "$*"; }
 fail() {
   say "FAIL: $*"
-  if [ -n "$WORK" ] && [ -f "$WORK/up.log" ]; then say "last lines of the command's output:"; tail -n 40 "$WORK/up.log"; fi
+  if [ -n "$WORK" ] && [ -f "$WORK/up.log" ]; then say "last lines of the command's output:"; tr '\r' '\n' <"$WORK/up.log" | tail -n 40; fi
   echo "newcomer check: FAIL after $((SECONDS - T0))s: $*"
   exit 1
 }
