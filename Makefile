@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: install install-test system-deps k8s-bins up test lint-duplicates clean
+.PHONY: install install-up install-test system-deps k8s-bins up test lint-duplicates clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+# `pdserve up` defaults to the NIXL connector, so what `make up` runs needs the nixl extra (nixl-cu12).
+$(VENV)/.installed-up: $(VENV)/.installed
+	$(PIP) install -q -e '.[nixl]'
+	touch $@
+
 install: $(VENV)/.installed
+install-up: $(VENV)/.installed-up
 install-test: $(VENV)/.installed-test
 
 # Real services the tests start themselves: redis-server (KV connector) and etcd (behind kube-apiserver).
@@ -34,7 +40,7 @@ system-deps:
 k8s-bins:
 	bash scripts/k8s-test-bins.sh
 
-up: install
+up: install-up
 	$(VENV)/bin/pdserve up $(UP_ARGS)
 
 # One torch thread per process: the tests run several engine processes at once on small machines, and

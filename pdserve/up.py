@@ -9,8 +9,11 @@ child (SIGTERM, then SIGKILL after a grace period) so no process or port is left
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -23,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOCAL_CONNECTORS = ("nixl", "disk", "redis")
+# The modules each connector imports (the same names, in the same order, as kv_connectors/*_connector.py) and the
+# distribution that provides them; the disk connector needs nothing beyond the core dependencies.
+CONNECTOR_MODULES = {"nixl": (("nixl._api", "nixl_cu12._api"), "nixl-cu12"), "redis": (("redis",), "redis")}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +51,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every child's /health")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts per child before `up` gives up")
     p.set_defaults(func=run)
+
+
+def _requirement(dist: str) -> str:
+    """pdserve's own requirement for ``dist`` (e.g. ``nixl-cu12>=0.5``), so the advice never drifts from pyproject."""
+    try:
+        reqs = importlib.metadata.requires("pdserve") or []
+    except importlib.metadata.PackageNotFoundError:
+        reqs = []
+    for req in reqs:
+        spec = req.split(";")[0].strip()
+        name = re.match(r"[A-Za-z0-9._-]+", spec)
+        if name and re.sub(r"[._-]+", "-", name.group(0)).lower() == dist:
+            return spec
+    return dist
+
+
+def missing_connector_package(kind: str) -> str | None:
+    """None if ``kind``'s Python package imports, else a one-line error naming the exact pip command to install it."""
+    if kind not in CONNECTOR_MODULES:
+        return None
+    modules, dist = CONNECTOR_MODULES[kind]
+    error: Exception | None = None
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            return None
+        except ImportError as e:  # also a broken native library (ImportError from the extension module)
+            error = error or e
+    return (f"--kv-connector {kind} needs the Python package {dist} ({error}); install it with: "
+            f"{sys.executable} -m pip install '{_requirement(dist)}'  (or pick another --kv-connector)")
 
 
 def free_port() -> int:
@@ -194,6 +230,11 @@ def supervise(children: list[Child], max_restarts: int, stop: list[bool]) -> int
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before anything starts: a missing connector package would otherwise surface as a decode pod crash loop.
+    missing = None if args.monolithic else missing_connector_package(args.kv_connector)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr, flush=True)
+        return 2
     from pdserve.runtime.model_loader import resolve_model_path
 
     stop = [False]

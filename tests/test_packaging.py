@@ -1,6 +1,7 @@
-"""Packaging invariants: the top-level folders map onto pdserve.*, nothing shadows the standard library, and no
-pickle-style deserialization exists on any network or disk path."""
+"""Packaging invariants: the top-level folders map onto pdserve.*, nothing shadows the standard library, no
+pickle-style deserialization exists on any network or disk path, and the declared Python floor is the one CI runs."""
 
+import os
 import re
 import subprocess
 import sys
@@ -61,3 +62,29 @@ def test_no_pickle_outside_tests():
 def test_pickle_scan_catches_pickle():
     assert PICKLE.search("import pickle") and PICKLE.search("x = pickle.loads(b)")
     assert PICKLE.search("torch.load(f)") and not PICKLE.search("torch.load(f, weights_only=True)")
+
+
+# The lowest Python pdserve supports is the one CI runs the suite on: router/app.py used Task.uncancel (3.11+) while
+# pyproject declared >=3.10, and nothing ran on 3.10 to notice. Declared floor, README and CI interpreter must agree.
+PYTHON_FLOOR = (3, 11)
+
+
+def _declared_python_floor() -> tuple[int, int]:
+    m = re.search(r'^requires-python\s*=\s*">=\s*(\d+)\.(\d+)"\s*$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert m, "pyproject.toml must declare requires-python = \">=X.Y\""
+    return int(m[1]), int(m[2])
+
+
+def test_declared_python_floor_is_the_tested_one_and_the_readme_says_so():
+    assert _declared_python_floor() == PYTHON_FLOOR
+    quickstart = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"Python ≥ (\d+)\.(\d+)", quickstart) == [tuple(map(str, PYTHON_FLOOR))]
+    assert sys.version_info[:2] >= PYTHON_FLOOR
+
+
+def test_ci_runs_on_the_declared_python_floor():
+    if os.environ.get("PDSERVE_CI") != "1":
+        pytest.skip("only CI pins the interpreter: .ci/run sets PDSERVE_CI=1 (a developer may run a newer Python)")
+    assert sys.version_info[:2] == _declared_python_floor(), (
+        f"CI runs Python {sys.version.split()[0]}, but pyproject.toml declares >={'.'.join(map(str, PYTHON_FLOOR))}: "
+        "run CI on the declared floor (make PYTHON=python3.X) so that newer-only APIs are caught")
