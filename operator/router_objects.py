@@ -10,6 +10,7 @@ from pdserve.operator.configmap import env_from
 from pdserve.operator.models import InferenceServiceSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
+UPSTREAM_API_KEY_ENV = "PDSERVE_UPSTREAM_API_KEY"  # router/cli.py: the key the runtime pods require
 STARTUP_SECONDS = 120
 
 # Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
@@ -41,8 +42,11 @@ def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpe
         "resources": pod.resources(r.resources), "securityContext": container_sc,
         "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
     }
-    if r.api_key_secret_ref:
-        container["env"] = [pod.secret_env(API_KEY_ENV, r.api_key_secret_ref)]
+    env = [pod.secret_env(API_KEY_ENV, r.api_key_secret_ref)] if r.api_key_secret_ref else []
+    if spec.runtime.api_key_secret_ref:  # the runtime pods require a key: the router presents theirs (same Secret)
+        env.append(pod.secret_env(UPSTREAM_API_KEY_ENV, spec.runtime.api_key_secret_ref))
+    if env:
+        container["env"] = env
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy
     pod_spec = {"serviceAccountName": names.router_account_name(name), "containers": [container], "volumes": volumes,

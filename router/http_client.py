@@ -178,8 +178,8 @@ class Pool:
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self, key), key[0], key[1]),
                                              self.connect_timeout)
-        except OSError as e:
-            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
+        except (OSError, asyncio.TimeoutError) as e:  # (a connect timeout: the pod never saw the request)
+            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e or 'timed out'}") from None
         return conn
 
     async def request(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> Response:

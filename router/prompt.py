@@ -14,7 +14,7 @@ import logging
 import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.runtime.block_hash import BlockHash, block_extra_keys, hash_block
 
@@ -43,18 +43,36 @@ def _text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
-class _BoundedCache(dict):
-    """A dict that forgets everything when full (cheap; hot entries come right back)."""
+class ByteBoundedCache(dict):
+    """A dict bounded by the (estimated) bytes its entries hold, that forgets everything when full (cheap; hot
+    entries come right back). An entry costing more than an eighth of the bound is not kept at all: one huge
+    distinct prompt must neither be held nor flush the shared pieces. ``cost(key, value)`` estimates bytes."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity_bytes: int, cost: Callable[[Any, Any], int]):
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.cost, self.nbytes = capacity_bytes, cost, 0
 
     def put(self, key, value):
-        if len(self) >= self.capacity:
+        c = self.cost(key, value)
+        if c > self.capacity // 8:
+            return value
+        if self.nbytes + c > self.capacity:
             self.clear()
+            self.nbytes = 0
+        if key not in self:
+            self.nbytes += c
         self[key] = value
         return value
+
+
+# CPython sizes: a list holds an 8-byte pointer per id and most token ids (> 256) are separate 28-byte ints; a dict
+# entry with its hash costs ~100 bytes. (tests/router/test_router_prompt.py measures the real total with tracemalloc.)
+def _piece_cost(piece: str, ids: list[int]) -> int:
+    return sys.getsizeof(piece) + 56 + 36 * len(ids) + 100
+
+
+def _block_cost(key: tuple, h: Any) -> int:
+    return 64 + 36 * len(key[1]) + 64 + sys.getsizeof(h) + 100
 
 
 class PromptTokenizer:
@@ -66,13 +84,13 @@ class PromptTokenizer:
     system prompt the long piece is encoded once). Tokenizers whose added tokens strip or normalize fall back to
     encoding the whole text."""
 
-    def __init__(self, path: str, cache_size: int = 4096):
+    def __init__(self, path: str, cache_bytes: int = 64 * 1024 * 1024):
         from transformers import PreTrainedTokenizerFast
 
         self.path = path
         self.tok = PreTrainedTokenizerFast.from_pretrained(path)
         self.fast = self.tok.backend_tokenizer
-        self._pieces = _BoundedCache(cache_size)
+        self._pieces = ByteBoundedCache(cache_bytes, _piece_cost)
         self._template = None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -142,7 +160,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return chars // 4
 
 
-_HASHES = _BoundedCache(1 << 16)  # (parent, block tokens, extra keys) -> hash; shared prefixes hash once
+_HASHES = ByteBoundedCache(32 * 1024 * 1024, _block_cost)  # (parent, block, extra keys) -> hash; prefixes hash once
 
 
 def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any) -> list[BlockHash]:
