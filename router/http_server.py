@@ -50,7 +50,7 @@ class _Cycle:
     """One request/response exchange: the ASGI ``receive``/``send`` pair."""
 
     __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "started", "complete", "head",
-                 "chunked", "keep_alive", "request_done", "remaining")
+                 "chunked", "keep_alive", "request_done", "remaining", "expect_continue")
 
     def __init__(self, conn: "_Connection", scope: dict, keep_alive: bool):
         self.conn, self.scope, self.keep_alive = conn, scope, keep_alive
@@ -60,6 +60,7 @@ class _Cycle:
         self.disconnected = self.started = self.complete = self.chunked = self.request_done = False
         self.head: bytes | None = None
         self.remaining = -1  # body bytes the declared content-length still owes (-1: chunked)
+        self.expect_continue = False  # the client waits for "100 Continue" before it sends the body
 
     async def receive(self) -> dict:
         """The request body (in chunks), then - once it is all delivered - block until the client disconnects or
@@ -67,6 +68,10 @@ class _Cycle:
         while True:
             if self.disconnected or self.complete:
                 return {"type": "http.disconnect"}
+            if self.expect_continue:  # the app wants the body: invite it (an app answering from the headers doesn't)
+                self.expect_continue = False
+                if not self.started and self.more_body:
+                    self.conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if not self.request_done and (self.body or not self.more_body):
                 data = b"".join(self.body)
                 self.body.clear()
@@ -265,6 +270,7 @@ class _Connection(asyncio.Protocol):
                  "root_path": "", "headers": self.headers, "server": (host, port),
                  "client": peer[:2] if peer else None}
         cycle = _Cycle(self, scope, self.parser.should_keep_alive())
+        cycle.expect_continue = (b"expect", b"100-continue") in [(k, v.lower()) for k, v in self.headers]
         self.parsing = cycle
         if self.current is None:
             self._start(cycle)

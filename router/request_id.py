@@ -30,7 +30,7 @@ def valid(rid: Any) -> bool:
 def resolve(header: str | None, body: dict[str, Any] | None) -> str:
     """The request's id: the body's ``request_id`` (what the pod will use), else the header, else a fresh one.
     Raises ``BadRequestId`` for an id that could not travel safely in a header."""
-    if body is not None and body.get("request_id") is not None:
+    if body is not None and body.get("request_id") not in (None, ""):  # (the pods take "" as absent too)
         if not valid(body["request_id"]):
             raise BadRequestId("request_id")
         return body["request_id"]
