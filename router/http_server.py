@@ -28,7 +28,7 @@ LINGER_SECONDS = 2.0  # how long a connection answered before its request ended 
 REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
            408: b"Request Timeout", 413: b"Payload Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields "
            b"Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
-           504: b"Gateway Timeout"}
+           504: b"Gateway Timeout", 505: b"HTTP Version Not Supported"}
 
 
 INTERNAL_ERROR = b'{"error": {"message": "internal error", "type": "server_error", "param": null, "code": null}}'
@@ -161,7 +161,7 @@ class _Connection(asyncio.Protocol):
         self.pending: deque[_Cycle] = deque()   # parsed, waiting for the current one to finish (pipelining)
         self.current: _Cycle | None = None
         self.parsing: _Cycle | None = None      # the cycle whose body is still arriving
-        self.too_large = False
+        self.refusal: tuple[int, bytes] | None = None  # why a parser callback stopped the parse
         self.lingering = False                  # answered and closing: the rest of the input is discarded
         self.half_closed = False                # the client sent FIN: answer what arrived, then close
         self.url = b""
@@ -220,10 +220,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._reject(400, b"upgrades are not supported")
         except httptools.HttpParserError:
-            if self.too_large:
-                self._reject(431, b"request headers too large")
-            else:
-                self._reject(400, b"malformed HTTP request")
+            self._reject(*(self.refusal or (400, b"malformed HTTP request")))
 
     def _reject(self, status: int, text: bytes) -> None:
         body = b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}' % text
@@ -255,11 +252,14 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
         if self.header_bytes > MAX_HEADER_BYTES:
-            self.too_large = True
+            self.refusal = (431, b"request headers too large")
             raise ValueError("request headers too large")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self.parser.get_http_version() not in ("1.1", "1.0"):
+            self.refusal = (505, b"HTTP version not supported")
+            raise ValueError("unsupported HTTP version")
         parsed = httptools.parse_url(self.url)
         path = parsed.path.decode("latin-1")
         host, port = self.transport.get_extra_info("sockname")[:2]
