@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.router.app import RouterApp
 from pdserve.router.config import RouterConfig
-from pdserve.router.metrics import MAX_MEMO, RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 from tests.router.raw_http import Conn, is_openai_error
 from tests.router.test_router_proxy import urls, wait_for
 
@@ -206,6 +206,8 @@ def test_cache_salt_derived_from_the_tenant_overrides_the_clients(pods, make_rou
 
 
 def test_metric_memo_is_bounded_and_removed_pods_leave_no_series():
+    from pdserve.router.metrics import MAX_MEMO
+
     m = RouterMetrics()
     for i in range(MAX_MEMO + 500):
         m.child(m.decisions, "decode", f"http://10.0.0.{i}:8000").inc()
