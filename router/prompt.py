@@ -36,11 +36,13 @@ def default_tokenizer_path(timeout: float = 600.0) -> str | None:
 
 
 def _text(content: Any) -> str:
-    if content is None:
-        return ""
+    """The text of a message's content (a string or a list of parts); anything else counts as no text (the pod judges
+    the request, the router only needs an estimate)."""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):
+        return "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+    return ""
 
 
 class ByteBoundedCache(dict):
