@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 import httptools
 
 
+MAX_HEADER_BYTES = 64 * 1024
+
+
 class ConnectError(OSError):
     pass
 
@@ -94,6 +97,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.timer: asyncio.TimerHandle | None = None
         self.got_bytes = False
+        self.header_bytes = 0
 
     # -- transport ----------------------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -101,6 +105,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        r = self.resp
+        if (exc is None and r is not None and r.status and not r._eof and "content-length" not in r.headers
+                and "transfer-encoding" not in r.headers):
+            r._eof = True  # a body delimited by the connection's close (RFC 9112 6.3, last rule) ended cleanly
+            r._wake()
+            return
         err = ProtocolError(f"connection to {self.key[0]}:{self.key[1]} lost" + (f": {exc}" if exc else ""))
         self._fail(err)
 
@@ -125,11 +135,23 @@ class _Conn(asyncio.Protocol):
             r._wake()
 
     # -- parser -------------------------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.resp is None or self.resp.status:  # bytes nobody asked for (after a response, or while idle)
+            raise ProtocolError("unsolicited response")
+        self.header_bytes = 0
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            raise ProtocolError("response headers too large")
         self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # 1xx informational: the real answer follows (its headers are not the response's)
+            self.resp.headers.clear()
+            return
+        self.resp.status = status
         self.keep_alive = self.parser.should_keep_alive()
         if not self.headers_ready.done():
             self.headers_ready.set_result(None)
@@ -139,6 +161,8 @@ class _Conn(asyncio.Protocol):
         self.resp._wake()
 
     def on_message_complete(self) -> None:
+        if not self.resp.status:  # the end of a 1xx
+            return
         self.resp._eof = True
         self.resp._wake()
 
