@@ -11,6 +11,9 @@ request in one ``write``, parses with httptools, and keeps idle keep-alive conne
   request is seen by the pod as a disconnect (and aborted there).
 - A connection taken from the pool that turns out dead before any response byte (the pod closed it while idle) is
   retried once on a fresh connection (safe: the pod never saw the request).
+- Framing: 1xx interim answers are skipped; a body without Content-Length or chunked encoding ends at the close;
+  ambiguous framing (httptools' strict parser), headers over ``MAX_HEADER_BYTES`` and bytes nobody asked for fail the
+  connection (tests/router/test_router_http_client.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,15 @@ time, request bodies by content-length or chunked), ``http.disconnect`` on conne
 back-pressure, a keep-alive/read timeout (an idle connection, or one whose request does not fully arrive in time, is
 closed) and a header-size limit (431). ``serve`` stops on SIGINT/SIGTERM: it stops
 accepting, lets in-flight requests finish for up to ``drain_timeout`` seconds, then runs lifespan shutdown.
+
+Framing rules (proved by tests/router/test_router_http_conformance.py, raw sockets + hypothesis): requests whose
+framing is ambiguous (Content-Length with Transfer-Encoding, conflicting lengths, codings other than a final chunked,
+bad chunks, obs-fold, bare LF) are refused by httptools' strict parser with a 400 and the connection closed; HTTP/2+
+request lines get 505. Response framing belongs to this server, not the app: it writes Content-Length /
+Transfer-Encoding / Connection itself, cuts a body longer than its declared length and closes after a shorter one (so
+a wrong length can never desynchronize a keep-alive connection), refuses header values that would split the response,
+sends no body to HEAD, answers ``Expect: 100-continue`` when the app reads the body, and answers a half-closed client
+(FIN after its requests) before closing.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -40,7 +41,7 @@ class Client:
 
     def check(self, path: str, body: bytes, headers: dict[str, str]) -> None:
         if self.conn is None:
-            self.conn = Conn(self.port, timeout=120)
+            self.conn = Conn(self.port, timeout=300)
         try:
             exchange(self.conn, path, body, headers)
         except BaseException:
@@ -84,17 +85,15 @@ def real_pod():
 def real_client(real_pod, make_router, tokenizer):
     _, r = make_router(RouterConfig(workers=(real_pod.url,), policy="precise-prefix", upstream_api_key="pod-key",
                                     max_retries=0), tokenizer=tokenizer)
-    client, health = Client(r.port), Conn(real_pod.port)
-    yield client, health
+    client = Client(r.port)
+    yield client, real_pod.url
     client.close()
-    health.close()
 
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(req=router_request)
 def test_fuzz_router_on_a_real_pod(real_client, req):
-    client, health = real_client
+    client, pod_url = real_client
     client.check(*req)
-    health.send(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
-    assert health.read_response().status == 200, "the pod's engine died"
+    assert httpx.get(pod_url + "/health", timeout=30).status_code == 200, "the pod's engine died"
