@@ -254,7 +254,6 @@ async def test_client_disconnect_without_task_uncancel(pods):
         scope = {"type": "http", "path": "/v1/completions", "method": "POST",
                  "headers": [(b"content-type", b"application/json")]}
         await asyncio.wait_for(loop.create_task(app.http(scope, receive, send)), 30)
-        assert isinstance(asyncio.current_task(), asyncio.Task)
         for _ in range(250):
             if pod.state.disconnects:
                 break
