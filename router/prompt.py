@@ -69,6 +69,9 @@ class ByteBoundedCache(dict):
 
 # CPython sizes: a list holds an 8-byte pointer per id and most token ids (> 256) are separate 28-byte ints; a dict
 # entry with its hash costs ~100 bytes. (tests/router/test_router_prompt.py measures the real total with tracemalloc.)
+GIL_FREE_CHARS = 16 * 1024  # pieces at least this long are encoded with the GIL released
+
+
 def _piece_cost(piece: str, ids: list[int]) -> int:
     return sys.getsizeof(piece) + 56 + 36 * len(ids) + 100
 
@@ -86,10 +89,10 @@ class PromptTokenizer:
     system prompt the long piece is encoded once). Tokenizers whose added tokens strip or normalize fall back to
     encoding the whole text."""
 
-    def __init__(self, path: str, cache_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, path: str, cache_bytes: int = 64 * 1024 * 1024, max_chars: int = 2 * 1024 * 1024):
         from transformers import PreTrainedTokenizerFast
 
-        self.path = path
+        self.path, self.max_chars = path, max_chars
         self.tok = PreTrainedTokenizerFast.from_pretrained(path)
         self.fast = self.tok.backend_tokenizer
         self._pieces = ByteBoundedCache(cache_bytes, _piece_cost)
@@ -107,10 +110,17 @@ class PromptTokenizer:
         self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._special, key=len, reverse=True))
                                   + ")") if plain and self._special else None)
 
+    def _encode_piece(self, text: str) -> list[int]:
+        if len(text) < GIL_FREE_CHARS:
+            return self.fast.encode(text, add_special_tokens=False).ids
+        # ``encode`` holds the GIL for the whole encoding (seconds for megabytes), starving the event loop even from
+        # another thread; ``encode_batch`` releases it while it works.
+        return self.fast.encode_batch([text], add_special_tokens=False)[0].ids
+
     def encode(self, text: str) -> list[int]:
         """``encode(text, add_special_tokens=False)``, piecewise and cached."""
         if self._split is None:
-            return self.fast.encode(text, add_special_tokens=False).ids
+            return self._encode_piece(text)
         ids: list[int] = []
         for piece in self._split.split(text):
             if not piece:
@@ -121,7 +131,7 @@ class PromptTokenizer:
                 continue
             cached = self._pieces.get(piece)
             if cached is None:
-                cached = self._pieces.put(piece, self.fast.encode(piece, add_special_tokens=False).ids)
+                cached = self._pieces.put(piece, self._encode_piece(piece))
             ids.extend(cached)
         return ids
 
@@ -133,18 +143,21 @@ class PromptTokenizer:
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """Prompt token ids of an OpenAI request body, or None when the body is not something we can tokenize
-        (the pod will answer it with its own error)."""
+        (the pod will answer it with its own error) or its text is longer than ``max_chars`` (far beyond any
+        context window: the pod will refuse it, and exact routing is not worth seconds of tokenizing)."""
         if path.endswith("/chat/completions"):
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 return None
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in msgs]
+            if sum(len(m["content"]) for m in msgs) > self.max_chars:
+                return None
             return self.encode(self.render_chat(msgs, bool(body.get("add_generation_prompt", True))))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return self.encode(prompt)
+            return self.encode(prompt) if len(prompt) <= self.max_chars else None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None

@@ -82,3 +82,16 @@ def test_piece_cache_stays_under_its_byte_bound(tokenizer):
         assert tok._pieces.nbytes <= bound
     finally:
         tracemalloc.stop()
+
+
+def test_text_beyond_any_context_window_is_not_tokenized(tokenizer):
+    """A 10 MB prompt used to cost the router seconds of tokenizing (and, holding the GIL, stalled its event loop); a
+    prompt longer than ``max_chars`` is estimated instead (the pod will refuse it anyway)."""
+    huge = "The quick brown fox jumps over the lazy dog. " * 50_000  # 2.25 MB
+    assert tokenizer.token_ids("/v1/completions", {"prompt": huge}) is None
+    assert tokenizer.token_ids("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}) is None
+    assert estimate_tokens({"prompt": huge}) > 500_000
+    # just below the cap: tokenized exactly, long pieces with the GIL released (encode_batch), same ids
+    text = huge[:100_000]
+    assert tokenizer.token_ids("/v1/completions", {"prompt": text}) == tokenizer.fast.encode(
+        text, add_special_tokens=False).ids
