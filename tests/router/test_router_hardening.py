@@ -263,3 +263,18 @@ async def test_client_disconnect_without_task_uncancel(pods):
     finally:
         loop.set_task_factory(factory)
         await app.shutdown()
+
+
+def test_pdserve_up_api_key_protects_the_pods_and_the_router_presents_it(tmp_path):
+    import argparse
+
+    from pdserve import up
+
+    parser = argparse.ArgumentParser().add_subparsers()
+    up.add_parser(parser)
+    args = parser.choices["up"].parse_args(["--api-key", "k3y", "--kv-connector", "disk"])
+    children = up.build_children(args, tmp_path, "/models/smol")
+    *pods, router = children
+    assert all(p.env["PDSERVE_API_KEY"] == "k3y" for p in pods) and len(pods) == 2
+    assert router.env == {"PDSERVE_UPSTREAM_API_KEY": "k3y"}
+    assert not any("k3y" in a for p in pods for a in p.argv)  # env only: never on a pod's command line
