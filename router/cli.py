@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="who sets cache_salt: the client as sent, or the router from the tenant's API key or "
                         "--tenant-header (HMAC with --cache-salt-secret; isolates tenants' prefix caches)")
     p.add_argument("--tenant-header", default="x-tenant-id",
-                   help="header carrying the tenant identity set by an authenticating gateway (--cache-salt-from header)")
+                   help="header with the tenant identity an authenticating gateway sets (--cache-salt-from header)")
     p.add_argument("--cache-salt-secret", default=None,
                    help="HMAC key for derived salts, the same on every router replica "
                         "(default: env PDSERVE_CACHE_SALT_SECRET, else random per process)")

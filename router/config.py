@@ -37,7 +37,7 @@ class RouterConfig:
     prefill_attempts: int = 2                # prefill pods tried before falling back / failing
     prefill_max_waiting: int = 64            # a prefill pod with more queued requests counts as overloaded
     api_key: str | None = None
-    upstream_api_key: str | None = None      # sent as 'Authorization: Bearer' on every request to a pod (--api-key pods)
+    upstream_api_key: str | None = None      # 'Authorization: Bearer' on every request to a pod (pods with --api-key)
     cache_salt_from: Literal["client", "api-key", "header"] = "client"  # see router/tenancy.py
     tenant_header: str = "x-tenant-id"       # identity header set by an authenticating gateway (cache_salt_from=header)
     cache_salt_secret: str | None = None     # HMAC key of derived salts; the same on every router replica

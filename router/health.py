@@ -1,5 +1,6 @@
-"""Active health checks and load scraping: every ``health_interval`` each pod's ``/health`` and ``/metrics`` (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, summed
-over label sets). A pod that answers /health with an error or refuses the connection is unhealthy at once; one that is
+"""Active health checks and load scraping: every ``health_interval`` each pod's ``/health`` and ``/metrics``
+(``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, summed over label
+sets). A pod that answers /health with an error or refuses the connection is unhealthy at once; one that is
 merely slow (no answer within ``health_timeout``: a busy pod, or this router's own loop briefly busy) stays routable
 until ``health_slow_limit`` checks in a row were slow. Requests to pods carry ``upstream_api_key`` when set.
 Passive health is the per-pod circuit breaker, fed by the proxy. The same loop expires speculative

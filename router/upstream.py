@@ -111,7 +111,9 @@ class Upstream:
                 kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connect"
                 self.metrics.child(self.metrics.upstream_errors, role, kind).inc()
                 last = f"{ep.url}: {kind} error: {e or type(e).__name__}"
-                if kind == "timeout" and method != "GET":  # sent and maybe still running there: another pod would run it twice
+                if kind == "timeout" and method != "GET":  # sent, maybe still running: a retry would run it twice
+                    if held is not None:  # an earlier pod's answer is still the best we have
+                        return held
                     raise UpstreamFailure(f"{ep.url}: no answer within {self.cfg.request_timeout} s", tried,
                                           timed_out=True) from None
                 continue

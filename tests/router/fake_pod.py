@@ -29,7 +29,7 @@ class FakeState:
     name: str = "pod"
     status: int = 200                # answer generation requests with this status (non-200: an error body)
     retry_after: str | None = None   # ... with this Retry-After header (a pdserve pod's full queue: 503 + Retry-After)
-    api_key: str | None = None       # require 'Authorization: Bearer KEY' on /v1/* and /metrics (as pods with --api-key)
+    api_key: str | None = None       # require 'Authorization: Bearer KEY' on /v1/* and /metrics (a pod's --api-key)
     health_delay: float = 0.0        # seconds before answering /health (a busy pod)
     healthy: bool = True
     kv_params: bool = True           # as prefill, return kv_transfer_params

@@ -102,8 +102,8 @@ async def test_ambiguous_or_broken_responses_fail_the_attempt(raw):
 
 
 async def test_pod_closing_mid_body_and_unsolicited_bytes():
-    pod = ScriptedPod([(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", True), (OK + b"HTTP/1.1 200 OK\r\n", False),
-                       (OK, False)])
+    pod = ScriptedPod([(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", True),
+                       (OK + b"HTTP/1.1 200 OK\r\n", False), (OK, False)])
     async with pod as url:
         pool = Pool(timeout=5)
         with pytest.raises(ProtocolError):

@@ -53,7 +53,8 @@ async def app(scope, receive, send):
         return
     if path == "/split-header":  # a header value with CR/LF must not reach the wire
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"x-id", b"a\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK"), (b"content-length", b"2")]})
+                    "headers": [(b"x-id", b"a\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK"),
+                                (b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
         return
     if path == "/later":  # answers after a while (the client may have half-closed meanwhile)
