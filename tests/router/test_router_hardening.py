@@ -129,7 +129,7 @@ def test_a_sent_request_that_times_out_is_not_run_again_elsewhere(pods, make_rou
 def test_slow_health_replies_do_not_make_a_pod_unhealthy(pods, make_router):
     (a, sa), (b, sb) = pods[0], pods[1]
     app, r = make_router(RouterConfig(workers=(sa.url,), policy="round-robin", health_interval=0.05,
-                                      health_timeout=0.2, health_slow_limit=6))
+                                      health_timeout=0.2, health_slow_limit=10))
     wait_for(lambda: app.health.rounds >= 1, what="first health round")
     a.state.health_delay = 0.5
     start = app.health.rounds
