@@ -10,6 +10,7 @@ from pdserve.operator.configmap import KV_TOKEN_ENV, KV_TOKEN_KEY, env_from
 from pdserve.operator.models import InferenceServiceSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
+UPSTREAM_API_KEY_ENV = "PDSERVE_UPSTREAM_API_KEY"  # router/cli.py: the key the runtime pods require
 STARTUP_SECONDS = 120
 
 # Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
@@ -42,10 +43,13 @@ def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpe
         "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
     }
     # The KV secret signs the router's handoff requests to prefill pods (kv_connectors/kv_auth.py).
-    container["env"] = [{"name": KV_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+    env = [{"name": KV_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
         "name": names.kv_token_secret_name(name), "key": KV_TOKEN_KEY}}}]
     if r.api_key_secret_ref:
-        container["env"].append(pod.secret_env(API_KEY_ENV, r.api_key_secret_ref))
+        env.append(pod.secret_env(API_KEY_ENV, r.api_key_secret_ref))
+    if spec.runtime.api_key_secret_ref:  # the runtime pods require a key: the router presents theirs (same Secret)
+        env.append(pod.secret_env(UPSTREAM_API_KEY_ENV, spec.runtime.api_key_secret_ref))
+    container["env"] = env
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy
     pod_spec = {"serviceAccountName": names.router_account_name(name), "containers": [container], "volumes": volumes,

@@ -164,6 +164,11 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
     logs.mkdir(parents=True, exist_ok=True)
     # The KV side channel's shared secret travels in the environment, never on a command line.
     pod_env = {"PDSERVE_KV_TOKEN": os.environ.get("PDSERVE_KV_TOKEN") or secrets.token_hex(16)}
+    # With --api-key the pods require it too (they listen on loopback, but any local user could reach them), and the
+    # router presents it upstream.
+    router_env = {"PDSERVE_UPSTREAM_API_KEY": args.api_key} if args.api_key else {}
+    if args.api_key:
+        pod_env["PDSERVE_API_KEY"] = args.api_key
 
     event_sources: list[str] = []
 
@@ -190,7 +195,7 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
                               "--tokenizer", model_path, *router_targets,
                               *(a for src in event_sources for a in ("--kv-events-source", src)),
                               *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log",
-                   env=pod_env)   # the router signs its prefill handoffs with the same KV secret
+                   env={"PDSERVE_KV_TOKEN": pod_env["PDSERVE_KV_TOKEN"], **router_env})  # signs handoffs
     return [*pods, router]
 
 

@@ -2,8 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (routed, P/D-orchestrated, SSE passed through),
 ``GET /v1/models`` (forwarded), ``GET /health`` and ``GET /metrics`` (the router's own). Admission, in order:
-API key (401), concurrency limit (429 + Retry-After), body size (413), JSON object body (400). A client that
-disconnects cancels its request, which closes the upstream connection so the pod aborts the work.
+API key (401), concurrency limit (429 + Retry-After), body size (413), JSON object body (400; nesting too deep for
+the parser included), request id (400, ``request_id.py``), tenant cache salt (``tenancy.py``). A large body is parsed
+and tokenized on a bounded thread pool, never on the event loop. A client that disconnects cancels its request, which
+closes the upstream connection so the pod aborts the work.
 
 ``RouterApp.lifespan`` starts the upstream connection pool, endpoint discovery, the health monitor and one KV event
 subscriber per pod with an event source; all of it stops with the app.
@@ -15,7 +17,6 @@ import asyncio
 import hmac
 import json
 import logging
-import uuid
 from typing import Any
 
 from pdserve.router.config import RouterConfig
@@ -26,9 +27,11 @@ from pdserve.router.kv_event_subscriber import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import needs_tokens
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router import request_id as request_ids
 from pdserve.router.prompt import PromptTokenizer, default_tokenizer_path
 from pdserve.router.proxy import Router
 from pdserve.router.responses import send_bytes, send_error, send_json
+from pdserve.router.tenancy import CacheSalter, MissingTenant
 from pdserve.router.upstream import Upstream
 from pdserve.router.circuit_breaker import CircuitBreaker
 
@@ -52,6 +55,7 @@ class RouterApp:
         self._tasks: list[asyncio.Task] = []
         self._subscribers: dict[str, tuple[KVEventSubscriber, asyncio.Task]] = {}
         self._api_key = cfg.api_key.encode() if cfg.api_key else None
+        self.salter = CacheSalter(cfg.cache_salt_from, cfg.tenant_header, cfg.cache_salt_secret)
         self.pool.add_listener(self._on_endpoint)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -62,6 +66,7 @@ class RouterApp:
                 sub[1].cancel()
             self.index.forget_pod(ep.url)
             self.index.forget_history(ep.url)
+            self.metrics.forget_endpoint(ep.url)
         elif ep.kv_events is not None and self.router.precise:
             s = KVEventSubscriber(ep.url, ep.kv_events, self.index, self.metrics)
             self._subscribers[ep.url] = (s, asyncio.get_running_loop().create_task(s.run()))
@@ -72,7 +77,8 @@ class RouterApp:
             path = cfg.tokenizer or await asyncio.to_thread(default_tokenizer_path)
             if path:
                 try:
-                    self.tokenizer = self.router.tokenizer = await asyncio.to_thread(PromptTokenizer, path)
+                    self.tokenizer = self.router.tokenizer = await asyncio.to_thread(
+                        PromptTokenizer, path, cfg.token_cache_bytes)
                 except Exception as e:  # noqa: BLE001
                     log.warning("cannot load tokenizer %s (%s); prefix scoring disabled, token counts estimated",
                                 path, e)
@@ -93,6 +99,7 @@ class RouterApp:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.upstream.close()
+        self.router.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- ASGI -----------------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -133,7 +140,11 @@ class RouterApp:
                 await send_error(send, 405, f"{method} not allowed on {path}")
                 return
         elif path == "/v1/models" and method == "GET":
-            request_id = headers.get("x-request-id") or uuid.uuid4().hex
+            try:
+                request_id = request_ids.resolve(headers.get("x-request-id"), None)
+            except request_ids.BadRequestId as e:
+                await send_error(send, 400, str(e), param=e.param, code="invalid_request_id")
+                return
             self.metrics.child(self.metrics.requests, await self.router.forward_get(path, request_id, send)).inc()
             return
         else:
@@ -179,40 +190,62 @@ class RouterApp:
             if not msg.get("more_body"):
                 break
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            body = e
+        if len(raw) >= self.cfg.offload_bytes:
+            body, why = await asyncio.get_running_loop().run_in_executor(self.router.executor, _parse_json, raw)
+        else:
+            body, why = _parse_json(raw)
         if not isinstance(body, dict):
             self.metrics.child(self.metrics.requests, "bad_request").inc()
-            await send_error(send, 400, "request body must be a JSON object", code="invalid_json")
+            await send_error(send, 400, f"request body must be a JSON object{why}", code="invalid_json")
             return
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            request_id = request_ids.resolve(headers.get("x-request-id"), body)
+        except request_ids.BadRequestId as e:
+            self.metrics.child(self.metrics.requests, "bad_request").inc()
+            await send_error(send, 400, str(e), param=e.param, code="invalid_request_id")
+            return
+        if self.salter.active:
+            try:
+                self.salter.apply(headers, body)
+            except MissingTenant as e:
+                self.metrics.child(self.metrics.requests, "unauthorized").inc()
+                await send_error(send, 401, str(e), code="missing_tenant", request_id=request_id)
+                return
+            raw = json.dumps(body).encode()
 
-        # A client disconnect cancels this task (and so the upstream request); see module docstring.
-        task = asyncio.current_task()
-        state = {"done": False, "disconnected": False}
+        # A client disconnect cancels the request's task (and so the upstream request); see module docstring. The
+        # request runs as a child task so that cancelling it leaves this one uncancelled: no Task.uncancel (3.11+).
+        loop = asyncio.get_running_loop()
+        work = loop.create_task(self.router.generate(path, raw, body, headers, request_id, send))
+        state = {"disconnected": False}
 
         async def watch_disconnect() -> None:
             msg = await receive()
-            if msg["type"] == "http.disconnect" and not state["done"]:
+            if msg["type"] == "http.disconnect" and not work.done():
                 state["disconnected"] = True
-                task.cancel()
+                work.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        watcher = loop.create_task(watch_disconnect())
         try:
-            outcome = await self.router.generate(path, raw, body, headers, request_id, send)
-            state["done"] = True
+            outcome = await work  # (if this task is cancelled, e.g. at shutdown, the await cancels ``work`` too)
             self.metrics.child(self.metrics.requests, outcome).inc()
         except asyncio.CancelledError:
-            if not state["disconnected"]:
+            if not state["disconnected"] or not work.cancelled():
                 raise
-            task.uncancel()
             self.metrics.child(self.metrics.requests, "cancelled").inc()
             log.info("request %s: client disconnected; upstream cancelled", request_id)
         finally:
-            state["done"] = True
             watcher.cancel()
+
+
+def _parse_json(raw: bytes) -> tuple[Any, str]:
+    """(the parsed body, "") or (None, why it is not JSON)."""
+    try:
+        return json.loads(raw), ""
+    except RecursionError:
+        return None, " (nested too deeply)"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f" (invalid JSON: {str(e)[:200]})"
 
 
 def create_app(cfg: RouterConfig, **kwargs: Any) -> RouterApp:

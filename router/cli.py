@@ -30,6 +30,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-failure", choices=("retry-then-decode", "fail"), default="retry-then-decode",
                    help="when prefill fails: retry another prefill pod, then send the whole request to decode; or fail")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--upstream-api-key", default=None,
+                   help="key sent to the pods (started with --api-key) on every request, health check and scrape "
+                        "(default: env PDSERVE_UPSTREAM_API_KEY, which keeps it off the command line)")
+    p.add_argument("--cache-salt-from", choices=("client", "api-key", "header"), default="client",
+                   help="who sets cache_salt: the client as sent, or the router from the tenant's API key or "
+                        "--tenant-header (HMAC with --cache-salt-secret; isolates tenants' prefix caches)")
+    p.add_argument("--tenant-header", default="x-tenant-id",
+                   help="header with the tenant identity an authenticating gateway sets (--cache-salt-from header)")
+    p.add_argument("--cache-salt-secret", default=None,
+                   help="HMAC key for derived salts, the same on every router replica "
+                        "(default: env PDSERVE_CACHE_SALT_SECRET, else random per process)")
+    p.add_argument("--token-cache-bytes", type=int, default=64 * 1024 * 1024,
+                   help="bound of the router's tokenizer cache (estimated bytes)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer dir (default: the default model's)")
     p.add_argument("--block-size", type=int, default=16, help="the pods' KV block size")
     p.add_argument("--kv-events-port", type=int, help="pods' KV event PUB port (on each pod's host)")
@@ -74,6 +87,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
             raise SystemExit(f"pdserve router: bad --kv-events-source {item!r}")
         sources[url.rstrip("/")] = KVEventSource(pub, replay or None)
     return RouterConfig(
+        upstream_api_key=a.upstream_api_key or _env("PDSERVE_UPSTREAM_API_KEY"), cache_salt_from=a.cache_salt_from,
+        tenant_header=a.tenant_header, cache_salt_secret=a.cache_salt_secret or _env("PDSERVE_CACHE_SALT_SECRET"),
+        token_cache_bytes=a.token_cache_bytes,
         host=a.host, port=a.port, workers=tuple(a.worker), prefill=tuple(a.prefill), decode=tuple(a.decode),
         discover=a.discover, namespace=a.namespace, role_label=a.role_label, pod_port=a.pod_port, policy=a.policy,
         pd_threshold=a.pd_threshold, prefill_failure=a.prefill_failure, api_key=a.api_key, tokenizer=a.tokenizer,
@@ -83,6 +99,13 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         max_retries=a.max_retries, cb_failure_threshold=a.cb_failure_threshold, cb_open_seconds=a.cb_open_seconds,
         balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold,
         trust_client_kv_params=a.trust_client_kv_params)
+
+
+def _env(name: str) -> str | None:
+    # (secrets come from the environment so they stay off command lines; TODO: move to runtime/envs.py)
+    import os
+
+    return os.environ.get(name) or None
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):

@@ -37,6 +37,13 @@ class RouterConfig:
     prefill_attempts: int = 2                # prefill pods tried before falling back / failing
     prefill_max_waiting: int = 64            # a prefill pod with more queued requests counts as overloaded
     api_key: str | None = None
+    upstream_api_key: str | None = None      # 'Authorization: Bearer' on every request to a pod (pods with --api-key)
+    cache_salt_from: Literal["client", "api-key", "header"] = "client"  # see router/tenancy.py
+    tenant_header: str = "x-tenant-id"       # identity header set by an authenticating gateway (cache_salt_from=header)
+    cache_salt_secret: str | None = None     # HMAC key of derived salts; the same on every router replica
+    token_cache_bytes: int = 64 * 1024 * 1024  # tokenizer piece cache bound (estimated bytes held)
+    tokenize_threads: int = 2                # bounded pool for rendering/tokenizing large prompts off the event loop
+    offload_bytes: int = 32 * 1024           # bodies at least this large are parsed and tokenized off the event loop
     tokenizer: str | None = None             # None -> the default model's tokenizer (if it can be found)
     block_size: int = 16                     # must equal the pods' KV block size or no hash ever matches
     kv_events_port: int | None = None        # per-pod KV event port (discovered/static pods on their own host)
@@ -48,7 +55,8 @@ class RouterConfig:
     request_timeout: float = 600.0           # whole upstream request, first byte to last
     connect_timeout: float = 5.0
     health_interval: float = 2.0             # active /health + /metrics scrape period per pod
-    health_timeout: float = 2.0
+    health_timeout: float = 5.0              # a /health slower than this counts as "slow", not as failed
+    health_slow_limit: int = 3               # consecutive slow checks before a pod counts as unhealthy
     max_retries: int = 2                     # extra attempts on another pod, before the first byte reaches the client
     retry_backoff: float = 0.01              # seconds, doubled per attempt (with jitter)
     cb_failure_threshold: int = 5            # consecutive failures that open a pod's circuit breaker

@@ -1,6 +1,9 @@
-"""Active health checks and load scraping: every ``health_interval`` each pod's ``/health`` (healthy iff 200 in time)
-and ``/metrics`` (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, summed
-over label sets). Passive health is the per-pod circuit breaker, fed by the proxy. The same loop expires speculative
+"""Active health checks and load scraping: every ``health_interval`` each pod's ``/health`` and ``/metrics``
+(``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, summed over label
+sets). A pod that answers /health with an error or refuses the connection is unhealthy at once; one that is
+merely slow (no answer within ``health_timeout``: a busy pod, or this router's own loop briefly busy) stays routable
+until ``health_slow_limit`` checks in a row were slow. Requests to pods carry ``upstream_api_key`` when set.
+Passive health is the per-pod circuit breaker, fed by the proxy. The same loop expires speculative
 prefix-index entries and refreshes the endpoint gauges."""
 
 from __future__ import annotations
@@ -45,16 +48,23 @@ class HealthMonitor:
         self.cfg, self.pool, self.metrics, self.index = cfg, pool, metrics, index
         self.session: aiohttp.ClientSession | None = None
         self.rounds = 0  # completed check rounds
+        self.slow: dict[str, int] = {}  # url -> consecutive slow checks
+        key = cfg.upstream_api_key
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as self.session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=self.headers) as self.session:
             while True:
                 await self.check_all()
                 await asyncio.sleep(self.cfg.health_interval)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(ep) for ep in self.pool))
+        eps = list(self.pool)
+        await asyncio.gather(*(self.check(ep) for ep in eps))
+        live = {ep.url for ep in eps}
+        for url in [u for u in self.slow if u not in live]:
+            del self.slow[url]
         self.index.purge_expired()
         self.metrics.index_blocks.set(len(self.index))
         counts: dict[tuple[str, str], int] = {}
@@ -68,6 +78,7 @@ class HealthMonitor:
         self.rounds += 1
 
     async def check(self, ep: Endpoint) -> None:
+        slow = False
         try:
             async with self.session.get(ep.url + "/health") as r:
                 healthy = r.status == 200
@@ -78,9 +89,17 @@ class HealthMonitor:
                     if r.status == 200:
                         for attr, value in parse_load(await r.text()).items():
                             setattr(ep, attr, value)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError) as e:
+        except asyncio.TimeoutError:
+            slow, healthy = True, ep.healthy
+            n = self.slow[ep.url] = self.slow.get(ep.url, 0) + 1
+            if n >= self.cfg.health_slow_limit:
+                healthy = False
+            log.debug("health check of %s timed out (%d in a row)", ep.url, n)
+        except (aiohttp.ClientError, OSError, UnicodeDecodeError) as e:
             healthy = False
             log.debug("health check of %s failed: %s", ep.url, e)
+        if not slow:
+            self.slow.pop(ep.url, None)
         if healthy != ep.healthy:
             log.info("endpoint %s is now %s", ep.url, "healthy" if healthy else "unhealthy")
         ep.healthy = healthy

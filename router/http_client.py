@@ -11,6 +11,9 @@ request in one ``write``, parses with httptools, and keeps idle keep-alive conne
   request is seen by the pod as a disconnect (and aborted there).
 - A connection taken from the pool that turns out dead before any response byte (the pod closed it while idle) is
   retried once on a fresh connection (safe: the pod never saw the request).
+- Framing: 1xx interim answers are skipped; a body without Content-Length or chunked encoding ends at the close;
+  ambiguous framing (httptools' strict parser), headers over ``MAX_HEADER_BYTES`` and bytes nobody asked for fail the
+  connection (tests/router/test_router_http_client.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
+
+
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class ConnectError(OSError):
@@ -94,6 +100,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.timer: asyncio.TimerHandle | None = None
         self.got_bytes = False
+        self.header_bytes = 0
 
     # -- transport ----------------------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -101,6 +108,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        r = self.resp
+        if (exc is None and r is not None and r.status and not r._eof and "content-length" not in r.headers
+                and "transfer-encoding" not in r.headers):
+            r._eof = True  # a body delimited by the connection's close (RFC 9112 6.3, last rule) ended cleanly
+            r._wake()
+            return
         err = ProtocolError(f"connection to {self.key[0]}:{self.key[1]} lost" + (f": {exc}" if exc else ""))
         self._fail(err)
 
@@ -125,11 +138,23 @@ class _Conn(asyncio.Protocol):
             r._wake()
 
     # -- parser -------------------------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.resp is None or self.resp.status:  # bytes nobody asked for (after a response, or while idle)
+            raise ProtocolError("unsolicited response")
+        self.header_bytes = 0
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            raise ProtocolError("response headers too large")
         self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # 1xx informational: the real answer follows (its headers are not the response's)
+            self.resp.headers.clear()
+            return
+        self.resp.status = status
         self.keep_alive = self.parser.should_keep_alive()
         if not self.headers_ready.done():
             self.headers_ready.set_result(None)
@@ -139,6 +164,8 @@ class _Conn(asyncio.Protocol):
         self.resp._wake()
 
     def on_message_complete(self) -> None:
+        if not self.resp.status:  # the end of a 1xx
+            return
         self.resp._eof = True
         self.resp._wake()
 
@@ -178,8 +205,8 @@ class Pool:
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self, key), key[0], key[1]),
                                              self.connect_timeout)
-        except OSError as e:
-            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
+        except (OSError, asyncio.TimeoutError) as e:  # (a connect timeout: the pod never saw the request)
+            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e or 'timed out'}") from None
         return conn
 
     async def request(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> Response:

@@ -8,12 +8,22 @@ time, request bodies by content-length or chunked), ``http.disconnect`` on conne
 back-pressure, a keep-alive/read timeout (an idle connection, or one whose request does not fully arrive in time, is
 closed) and a header-size limit (431). ``serve`` stops on SIGINT/SIGTERM: it stops
 accepting, lets in-flight requests finish for up to ``drain_timeout`` seconds, then runs lifespan shutdown.
+
+Framing rules (proved by tests/router/test_router_http_conformance.py, raw sockets + hypothesis): requests whose
+framing is ambiguous (Content-Length with Transfer-Encoding, conflicting lengths, codings other than a final chunked,
+bad chunks, obs-fold, bare LF) are refused by httptools' strict parser with a 400 and the connection closed; HTTP/2+
+request lines get 505. Response framing belongs to this server, not the app: it writes Content-Length /
+Transfer-Encoding / Connection itself, cuts a body longer than its declared length and closes after a shorter one (so
+a wrong length can never desynchronize a keep-alive connection), refuses header values that would split the response,
+sends no body to HEAD, answers ``Expect: 100-continue`` when the app reads the body, and answers a half-closed client
+(FIN after its requests) before closing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 from collections import deque
 from typing import Any, Callable
@@ -27,7 +37,18 @@ LINGER_SECONDS = 2.0  # how long a connection answered before its request ended 
 REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
            408: b"Request Timeout", 413: b"Payload Too Large", 429: b"Too Many Requests", 431: b"Request Header Fields "
            b"Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable",
-           504: b"Gateway Timeout"}
+           504: b"Gateway Timeout", 505: b"HTTP Version Not Supported"}
+
+
+INTERNAL_ERROR = b'{"error": {"message": "internal error", "type": "server_error", "param": null, "code": null}}'
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_header(name: bytes, value: bytes) -> None:
+    """A response header the app sets must not be able to split the response (CR/LF) or break the framing."""
+    if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+        raise ValueError(f"invalid response header {name!r}: {value[:64]!r}")
 
 
 def _status_line(status: int) -> bytes:
@@ -38,7 +59,7 @@ class _Cycle:
     """One request/response exchange: the ASGI ``receive``/``send`` pair."""
 
     __slots__ = ("conn", "scope", "body", "more_body", "event", "disconnected", "started", "complete", "head",
-                 "chunked", "keep_alive", "request_done")
+                 "chunked", "keep_alive", "request_done", "remaining", "expect_continue")
 
     def __init__(self, conn: "_Connection", scope: dict, keep_alive: bool):
         self.conn, self.scope, self.keep_alive = conn, scope, keep_alive
@@ -47,6 +68,8 @@ class _Cycle:
         self.event = asyncio.Event()
         self.disconnected = self.started = self.complete = self.chunked = self.request_done = False
         self.head: bytes | None = None
+        self.remaining = -1  # body bytes the declared content-length still owes (-1: chunked)
+        self.expect_continue = False  # the client waits for "100 Continue" before it sends the body
 
     async def receive(self) -> dict:
         """The request body (in chunks), then - once it is all delivered - block until the client disconnects or
@@ -54,6 +77,10 @@ class _Cycle:
         while True:
             if self.disconnected or self.complete:
                 return {"type": "http.disconnect"}
+            if self.expect_continue:  # the app wants the body: invite it (an app answering from the headers doesn't)
+                self.expect_continue = False
+                if not self.started and self.more_body:
+                    self.conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if not self.request_done and (self.body or not self.more_body):
                 data = b"".join(self.body)
                 self.body.clear()
@@ -71,14 +98,24 @@ class _Cycle:
         if kind == "http.response.start":
             if self.started:
                 raise RuntimeError("response already started")
-            self.started = True
             parts = [_status_line(msg["status"])]
-            has_length = False
+            length = -1
             for name, value in msg.get("headers", ()):
-                if name.lower() == b"content-length":
-                    has_length = True
+                lname = name.lower()
+                if lname in (b"content-length", b"transfer-encoding", b"connection"):
+                    # framing is this server's: it writes these itself, consistently with the body it sends
+                    if lname == b"content-length" and value.strip().isdigit() and length < 0:
+                        length = int(value)
+                    elif lname == b"connection" and value.strip().lower() == b"close":
+                        self.keep_alive = False
+                    continue
+                _check_header(name, value)
                 parts.append(b"%s: %s\r\n" % (name, value))
-            if not has_length:
+            self.started = True
+            self.remaining = length
+            if length >= 0:
+                parts.append(b"content-length: %d\r\n" % length)
+            else:
                 self.chunked = True
                 parts.append(b"transfer-encoding: chunked\r\n")
             if self.conn.parsing is self:  # answered before the body arrived: the connection closes after it
@@ -96,7 +133,19 @@ class _Cycle:
             if not more:
                 out += b"0\r\n\r\n"
         else:
+            # The framing must match what the head declared, whatever the app does: a body longer than its
+            # content-length is cut (the excess would be read as the next response), a shorter one ends the
+            # connection (the client sees a truncated message, never a desynchronized stream).
+            if len(body) > self.remaining:
+                log.error("ASGI app sent %d body bytes past its content-length", len(body) - self.remaining)
+                body, more = body[:self.remaining], False
+            self.remaining -= len(body)
+            if not more and self.remaining:
+                log.error("ASGI app ended its response %d bytes short of its content-length", self.remaining)
+                self.keep_alive = False
             out = body
+        if self.scope["method"] == "HEAD":  # the head says how long the body would be; a HEAD answer has none
+            out = b""
         if self.head is not None:
             out, self.head = self.head + out, None
         if out:
@@ -104,6 +153,8 @@ class _Cycle:
         if not more:
             self.complete = True
             self.event.set()
+            if not self.chunked and self.remaining:
+                self.conn.transport.close()
             self.conn.on_response_complete(self)
         elif self.conn.write_paused:
             await self.conn.drained()
@@ -119,8 +170,9 @@ class _Connection(asyncio.Protocol):
         self.pending: deque[_Cycle] = deque()   # parsed, waiting for the current one to finish (pipelining)
         self.current: _Cycle | None = None
         self.parsing: _Cycle | None = None      # the cycle whose body is still arriving
-        self.too_large = False
+        self.refusal: tuple[int, bytes] | None = None  # why a parser callback stopped the parse
         self.lingering = False                  # answered and closing: the rest of the input is discarded
+        self.half_closed = False                # the client sent FIN: answer what arrived, then close
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
@@ -145,6 +197,16 @@ class _Connection(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
 
+    def eof_received(self) -> bool:
+        """The client half-closed its side (``shutdown(SHUT_WR)``): it can still read. Requests that arrived whole are
+        answered before the connection closes; a request cut off by the FIN will never complete, so that closes now."""
+        self.half_closed = True
+        if self.lingering:
+            return False
+        if self.parsing is not None or (self.current is None and not self.pending):
+            return False  # (returning False lets the transport close itself)
+        return True
+
     def pause_writing(self) -> None:
         self.write_paused = True
 
@@ -167,10 +229,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._reject(400, b"upgrades are not supported")
         except httptools.HttpParserError:
-            if self.too_large:
-                self._reject(431, b"request headers too large")
-            else:
-                self._reject(400, b"malformed HTTP request")
+            self._reject(*(self.refusal or (400, b"malformed HTTP request")))
 
     def _reject(self, status: int, text: bytes) -> None:
         body = b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}' % text
@@ -202,11 +261,14 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
         if self.header_bytes > MAX_HEADER_BYTES:
-            self.too_large = True
+            self.refusal = (431, b"request headers too large")
             raise ValueError("request headers too large")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self.parser.get_http_version() not in ("1.1", "1.0"):
+            self.refusal = (505, b"HTTP version not supported")
+            raise ValueError("unsupported HTTP version")
         parsed = httptools.parse_url(self.url)
         path = parsed.path.decode("latin-1")
         host, port = self.transport.get_extra_info("sockname")[:2]
@@ -217,6 +279,7 @@ class _Connection(asyncio.Protocol):
                  "root_path": "", "headers": self.headers, "server": (host, port),
                  "client": peer[:2] if peer else None}
         cycle = _Cycle(self, scope, self.parser.should_keep_alive())
+        cycle.expect_continue = (b"expect", b"100-continue") in [(k, v.lower()) for k, v in self.headers]
         self.parsing = cycle
         if self.current is None:
             self._start(cycle)
@@ -255,9 +318,9 @@ class _Connection(asyncio.Protocol):
             log.exception("unhandled error in the ASGI app")
             if not cycle.started and not cycle.disconnected:
                 await cycle.send({"type": "http.response.start", "status": 500,
-                                  "headers": [(b"content-type", b"application/json"), (b"content-length", b"79")]})
-                await cycle.send({"type": "http.response.body", "body": b'{"error": {"message": "internal error", '
-                                  b'"type": "server_error", "param": null, "code": null}}'})
+                                  "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", b"%d" % len(INTERNAL_ERROR))]})
+                await cycle.send({"type": "http.response.body", "body": INTERNAL_ERROR})
         if not cycle.complete and not cycle.disconnected:
             self.transport.close()  # the app ended without finishing its response
 
@@ -266,7 +329,7 @@ class _Connection(asyncio.Protocol):
         if self.parsing is cycle:  # answered before the whole body arrived (the response said so)
             self._linger_close()
             return
-        if not cycle.keep_alive or self.server.stopping:
+        if not cycle.keep_alive or self.server.stopping or (self.half_closed and not self.pending):
             self.transport.close()
             return
         if self.pending:

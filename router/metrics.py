@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+MAX_MEMO = 4096  # memoized metric children
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -46,12 +47,25 @@ class RouterMetrics:
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):
-        """``metric.labels(*labels)``, memoized (the hot path pays a dict lookup, not prometheus' locking)."""
+        """``metric.labels(*labels)``, memoized (the hot path pays a dict lookup, not prometheus' locking). The memo
+        is bounded: label sets include pod URLs, and pods come and go for as long as the router runs."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
+            if len(self._children) >= MAX_MEMO:
+                self._children.clear()
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def forget_endpoint(self, url: str) -> None:
+        """Drop a removed pod's label sets (from the memo and from the exported metrics)."""
+        for key in [k for k in self._children if url in k[1]]:
+            del self._children[key]
+        for role in ("decode", "prefill"):
+            try:
+                self.decisions.remove(role, url)
+            except KeyError:
+                pass
 
     def prefix_hit_ratio(self) -> float:
         total = self.prompt_tokens._value.get()

@@ -14,7 +14,7 @@ import logging
 import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.runtime.block_hash import BlockHash, block_extra_keys, hash_block
 
@@ -36,25 +36,48 @@ def default_tokenizer_path(timeout: float = 600.0) -> str | None:
 
 
 def _text(content: Any) -> str:
-    if content is None:
-        return ""
+    """The text of a message's content (a string or a list of parts); anything else counts as no text (the pod judges
+    the request, the router only needs an estimate)."""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):
+        return "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+    return ""
 
 
-class _BoundedCache(dict):
-    """A dict that forgets everything when full (cheap; hot entries come right back)."""
+class ByteBoundedCache(dict):
+    """A dict bounded by the (estimated) bytes its entries hold, that forgets everything when full (cheap; hot
+    entries come right back). An entry costing more than an eighth of the bound is not kept at all: one huge
+    distinct prompt must neither be held nor flush the shared pieces. ``cost(key, value)`` estimates bytes."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity_bytes: int, cost: Callable[[Any, Any], int]):
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.cost, self.nbytes = capacity_bytes, cost, 0
 
     def put(self, key, value):
-        if len(self) >= self.capacity:
+        c = self.cost(key, value)
+        if c > self.capacity // 8:
+            return value
+        if self.nbytes + c > self.capacity:
             self.clear()
+            self.nbytes = 0
+        if key not in self:
+            self.nbytes += c
         self[key] = value
         return value
+
+
+# CPython sizes: a list holds an 8-byte pointer per id and most token ids (> 256) are separate 28-byte ints; a dict
+# entry with its hash costs ~100 bytes. (tests/router/test_router_prompt.py measures the real total with tracemalloc.)
+GIL_FREE_CHARS = 16 * 1024  # pieces at least this long are encoded with the GIL released
+
+
+def _piece_cost(piece: str, ids: list[int]) -> int:
+    return sys.getsizeof(piece) + 56 + 36 * len(ids) + 100
+
+
+def _block_cost(key: tuple, h: Any) -> int:
+    return 64 + 36 * len(key[1]) + 64 + sys.getsizeof(h) + 100
 
 
 class PromptTokenizer:
@@ -66,13 +89,13 @@ class PromptTokenizer:
     system prompt the long piece is encoded once). Tokenizers whose added tokens strip or normalize fall back to
     encoding the whole text."""
 
-    def __init__(self, path: str, cache_size: int = 4096):
+    def __init__(self, path: str, cache_bytes: int = 64 * 1024 * 1024, max_chars: int = 2 * 1024 * 1024):
         from transformers import PreTrainedTokenizerFast
 
-        self.path = path
+        self.path, self.max_chars = path, max_chars
         self.tok = PreTrainedTokenizerFast.from_pretrained(path)
         self.fast = self.tok.backend_tokenizer
-        self._pieces = _BoundedCache(cache_size)
+        self._pieces = ByteBoundedCache(cache_bytes, _piece_cost)
         self._template = None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -87,10 +110,17 @@ class PromptTokenizer:
         self._split = (re.compile("(" + "|".join(re.escape(c) for c in sorted(self._special, key=len, reverse=True))
                                   + ")") if plain and self._special else None)
 
+    def _encode_piece(self, text: str) -> list[int]:
+        if len(text) < GIL_FREE_CHARS:
+            return self.fast.encode(text, add_special_tokens=False).ids
+        # ``encode`` holds the GIL for the whole encoding (seconds for megabytes), starving the event loop even from
+        # another thread; ``encode_batch`` releases it while it works.
+        return self.fast.encode_batch([text], add_special_tokens=False)[0].ids
+
     def encode(self, text: str) -> list[int]:
         """``encode(text, add_special_tokens=False)``, piecewise and cached."""
         if self._split is None:
-            return self.fast.encode(text, add_special_tokens=False).ids
+            return self._encode_piece(text)
         ids: list[int] = []
         for piece in self._split.split(text):
             if not piece:
@@ -101,7 +131,7 @@ class PromptTokenizer:
                 continue
             cached = self._pieces.get(piece)
             if cached is None:
-                cached = self._pieces.put(piece, self.fast.encode(piece, add_special_tokens=False).ids)
+                cached = self._pieces.put(piece, self._encode_piece(piece))
             ids.extend(cached)
         return ids
 
@@ -113,18 +143,21 @@ class PromptTokenizer:
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """Prompt token ids of an OpenAI request body, or None when the body is not something we can tokenize
-        (the pod will answer it with its own error)."""
+        (the pod will answer it with its own error) or its text is longer than ``max_chars`` (far beyond any
+        context window: the pod will refuse it, and exact routing is not worth seconds of tokenizing)."""
         if path.endswith("/chat/completions"):
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 return None
             msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in msgs]
+            if sum(len(m["content"]) for m in msgs) > self.max_chars:
+                return None
             return self.encode(self.render_chat(msgs, bool(body.get("add_generation_prompt", True))))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return self.encode(prompt)
+            return self.encode(prompt) if len(prompt) <= self.max_chars else None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
@@ -142,7 +175,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return chars // 4
 
 
-_HASHES = _BoundedCache(1 << 16)  # (parent, block tokens, extra keys) -> hash; shared prefixes hash once
+_HASHES = ByteBoundedCache(32 * 1024 * 1024, _block_cost)  # (parent, block, extra keys) -> hash; prefixes hash once
 
 
 def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any) -> list[BlockHash]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pdserve.router.config import RouterConfig
@@ -40,8 +41,11 @@ class Router:
         self.precise = needs_tokens(cfg.policy)
         self.decode_profile = build_profile(cfg, index)
         self.prefill_profile = build_profile(cfg, index)
+        self.executor = ThreadPoolExecutor(max(1, cfg.tokenize_threads), thread_name_prefix="router-tokenize")
 
     def context(self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str) -> RequestContext:
+        """Prompt tokens and block hashes (only what the policy or P/D needs). CPU-bound for a long prompt: callers on
+        the event loop use ``context_async``."""
         ctx = RequestContext(path, body, headers, request_id)
         if self.precise or self.pool.prefillers:
             ids = None
@@ -57,6 +61,15 @@ class Router:
                 if self.precise:
                     ctx.block_hashes = block_hashes(ids, self.cfg.block_size, body.get("cache_salt"))
         return ctx
+
+    async def context_async(self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str,
+                            offload: bool) -> RequestContext:
+        """``context``; on the bounded tokenizer pool when ``offload`` (a large body), so that rendering and tokenizing
+        a long prompt never stalls the event loop (health checks, other clients' streams)."""
+        if not offload or not (self.precise or self.pool.prefillers):
+            return self.context(path, body, headers, request_id)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.context, path, body, headers, request_id)
 
     def picker(self, profile: Profile, ctx: RequestContext, pods: Callable[[], list[Endpoint]], role: str,
                accept: Callable[[Endpoint], bool] | None = None,
@@ -83,7 +96,7 @@ class Router:
         """Handle one completion/chat request; returns the outcome label for metrics."""
         cfg, m = self.cfg, self.metrics
         body, raw = client_body(body, raw, cfg.trust_client_kv_params)
-        ctx = self.context(path, body, headers, request_id)
+        ctx = await self.context_async(path, body, headers, request_id, len(raw) >= cfg.offload_bytes)
         decision = self.decode_profile.schedule(ctx, self.pool.decoders)
         if decision is None:
             await send_error(send, 503, "no healthy decode endpoint", code="no_endpoint", retry_after=5,
@@ -127,6 +140,9 @@ class Router:
         try:
             att = await self.upstream.dispatch("decode", pick, "POST", path, payload, fwd)
         except UpstreamFailure as e:
+            if e.timed_out:
+                await send_error(send, 504, f"upstream timed out: {e}", code="upstream_timeout", request_id=request_id)
+                return "timeout"
             status = 502 if e.tried else 503
             await send_error(send, status, f"no endpoint could serve the request: {e}", code="upstream_error",
                              retry_after=5 if status == 503 else None, request_id=request_id)
@@ -159,8 +175,10 @@ async def relay(att: Attempt, send: Send, request_id: str) -> str:
     chunks arrive (SSE), never buffering a stream. A pod failing mid-stream ends the stream with an SSE error event."""
     resp = att.resp
     ok = False
-    ctype = resp.headers.get("content-type", "application/json").encode()
+    ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
     headers = [(b"content-type", ctype), (b"x-request-id", request_id.encode())]
+    if "retry-after" in resp.headers:  # an overloaded pod says when to come back; the client should hear it
+        headers.append((b"retry-after", resp.headers["retry-after"].encode("latin-1")))
     started = False
     try:
         if "content-length" in resp.headers:

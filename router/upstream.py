@@ -1,10 +1,15 @@
 """Pooled HTTP to the pods, and the retry loop that runs before the first byte reaches the client.
 
 ``Upstream.request`` sends one request to one pod. ``Upstream.dispatch`` picks a pod (via the caller's ``pick``,
-which must skip the urls it is given), sends, and on a connect error, a timeout before the response headers, or a
-408/429/5xx answer tries another pod after a short backoff, at most ``max_retries`` extra times. It returns an
-``Attempt`` holding the response whose headers arrived; the caller relays the body and must call ``finish()``. Every
-attempt updates the pod's in-flight count, circuit breaker and the metrics.
+which must skip the urls it is given), sends, and tries another pod after a short backoff, at most ``max_retries``
+extra times, only when the first pod provably did not run the request: it could not be connected to, it dropped the
+connection before answering (pods abort a request whose connection closes), or it answered 408/429/5xx. A timeout of
+a request that was sent is never retried: the pod may still be working on it, and a retry would run it twice (the
+caller answers 504). It returns an ``Attempt`` holding the response whose headers arrived; the caller relays the body
+and must call ``finish()``. Every attempt updates the pod's in-flight count, circuit breaker and the metrics.
+
+Breaker failures are what says the pod is broken: connect errors, dropped connections, timeouts, 5xx answers, but not
+a 503 with ``Retry-After`` (the pod is healthy and shedding load: its queue is full) nor any 4xx.
 """
 
 from __future__ import annotations
@@ -47,9 +52,15 @@ class Attempt:
 class UpstreamFailure(Exception):
     """No pod produced a response (none left to try, or all attempts errored before the headers)."""
 
-    def __init__(self, message: str, tried: set[str]):
+    def __init__(self, message: str, tried: set[str], timed_out: bool = False):
         super().__init__(message)
         self.tried = tried  # urls of the pods that were tried
+        self.timed_out = timed_out  # the last attempt was sent and timed out (not retried: answer 504)
+
+
+def is_overload(resp: Response) -> bool:
+    """A pod shedding load (queue full) says 503 + Retry-After: not a failure of the pod."""
+    return resp.status == 503 and "retry-after" in resp.headers
 
 
 class Upstream:
@@ -57,6 +68,8 @@ class Upstream:
         self.cfg = cfg
         self.metrics = metrics
         self.pool: Pool | None = None
+        # pods started with --api-key accept the router with this key (proxy, handoff and GET passthrough alike)
+        self.auth = {"authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
 
     async def start(self) -> None:
         self.pool = Pool(connect_timeout=self.cfg.connect_timeout, timeout=self.cfg.request_timeout)
@@ -68,6 +81,8 @@ class Upstream:
     async def dispatch(self, role: str, pick: Callable[[set[str]], Endpoint | None], method: str, path: str,
                        body: bytes | None, headers: dict[str, str], retries: int | None = None) -> Attempt:
         retries = self.cfg.max_retries if retries is None else retries
+        if self.auth:
+            headers = {**headers, **self.auth}
         tried: set[str] = set()
         last: str = "no healthy endpoint"
         held: Attempt | None = None  # a retryable answer, returned as is if no other pod is left to try
@@ -97,10 +112,15 @@ class Upstream:
                 kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "connect"
                 self.metrics.child(self.metrics.upstream_errors, role, kind).inc()
                 last = f"{ep.url}: {kind} error: {e or type(e).__name__}"
+                if kind == "timeout" and method != "GET":  # sent, maybe still running: a retry would run it twice
+                    if held is not None:  # an earlier pod's answer is still the best we have
+                        return held
+                    raise UpstreamFailure(f"{ep.url}: no answer within {self.cfg.request_timeout} s", tried,
+                                          timed_out=True) from None
                 continue
             self.metrics.child(self.metrics.ttfb, role).observe(time.perf_counter() - started)
             note_response(ep, resp.status, resp.headers)  # a draining pod leaves the next pick at once
-            if resp.status >= 500:
+            if resp.status >= 500 and not is_overload(resp):
                 ep.breaker.record_failure()
             else:
                 ep.breaker.record_success()

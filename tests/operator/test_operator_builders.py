@@ -173,9 +173,14 @@ def test_disk_connector_mounts_the_claim():
 
 def test_runtime_api_key_only_through_env():
     spec = {"model": {"name": "smol"}, "runtime": {"apiKeySecretRef": {"name": "k", "key": "key"}}}
-    dep = by_name(reconcile(isvc(spec), Observed(), NOW), "Deployment", "m-decode")
+    r = reconcile(isvc(spec), Observed(), NOW)
+    dep = by_name(r, "Deployment", "m-decode")
     assert env_of(dep)["PDSERVE_API_KEY"] == {"secretKeyRef": {"name": "k", "key": "key"}}
     assert "--api-key" not in container(dep)["args"]
+    # the router presents the pods' key upstream (same Secret), through env only; it requires none from clients
+    router = by_name(r, "Deployment", "m-router")
+    assert env_of(router) == {"PDSERVE_UPSTREAM_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+    assert not any("api-key" in a for a in container(router)["args"])
 
 
 def test_redis_url_from_secret_goes_through_env():

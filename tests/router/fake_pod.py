@@ -28,6 +28,9 @@ HEALTHY = b'{"status":"ok"}'
 class FakeState:
     name: str = "pod"
     status: int = 200                # answer generation requests with this status (non-200: an error body)
+    retry_after: str | None = None   # ... with this Retry-After header (a pdserve pod's full queue: 503 + Retry-After)
+    api_key: str | None = None       # require 'Authorization: Bearer KEY' on /v1/* and /metrics (a pod's --api-key)
+    health_delay: float = 0.0        # seconds before answering /health (a busy pod)
     healthy: bool = True
     kv_params: bool = True           # as prefill, return kv_transfer_params
     kv_params_value: dict | None = None  # ... exactly these (else made-up NIXL-style ones)
@@ -40,6 +43,8 @@ class FakeState:
     record: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)  # {"path", "body", "headers"}
     disconnects: int = 0
+    unauthorized: int = 0            # requests refused for a missing/wrong key
+    health_checks: list[dict[str, str]] = field(default_factory=list)  # headers of each /health request
     sent_chunks: int = 0             # SSE chunks written so far (all streams)
     count: int = 0
 
@@ -72,7 +77,17 @@ class FakePod:
                     return
         st, path = self.state, scope["path"]
         if path == "/health":
+            if st.record:
+                st.health_checks.append({k.decode(): v.decode() for k, v in scope["headers"]})
+            if st.health_delay:
+                await asyncio.sleep(st.health_delay)
             await _send(send, 200 if st.healthy else 503, HEALTHY)
+            return
+        if st.api_key is not None and (b"authorization", f"Bearer {st.api_key}".encode()) not in scope["headers"]:
+            st.unauthorized += 1
+            err = {"error": {"message": "invalid or missing API key", "type": "authentication_error", "param": None,
+                             "code": "invalid_api_key"}}
+            await _send(send, 401, json.dumps(err).encode())
             return
         if path == "/metrics":
             text = (f"vllm:num_requests_waiting{{model_name=\"fake\"}} {st.waiting}\n"
@@ -105,7 +120,14 @@ class FakePod:
             await asyncio.sleep(st.delay)
         if st.status != 200:
             err = {"error": {"message": f"{st.name} failing", "type": "server_error", "param": None, "code": None}}
-            await _send(send, st.status, json.dumps(err).encode())
+            extra = [(b"retry-after", st.retry_after.encode())] if st.retry_after else []
+            await _send(send, st.status, json.dumps(err).encode(), extra=extra)
+            return
+        kvp = req.get("kv_transfer_params")
+        if kvp is not None and not isinstance(kvp, dict):  # (a real pod validates this with pydantic)
+            await _send(send, 400, json.dumps({"error": {"message": "kv_transfer_params must be an object",
+                                                         "type": "invalid_request_error", "param": None,
+                                                         "code": None}}).encode())
             return
         kvp = req.get("kv_transfer_params") or {}
         if kvp.get("do_remote_decode"):
@@ -155,9 +177,9 @@ class FakePod:
             watcher.cancel()
 
 
-async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", extra=()) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
