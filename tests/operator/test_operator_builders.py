@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pdserve.operator import names
+from pdserve.operator.configmap import KV_TOKEN_ENV, KV_TOKEN_KEY
 from pdserve.operator.pod import InvalidSpec, parse_bytes
 from pdserve.operator.reconcile import Observed, parse_spec, reconcile
 
@@ -179,7 +180,9 @@ def test_runtime_api_key_only_through_env():
     assert "--api-key" not in container(dep)["args"]
     # the router presents the pods' key upstream (same Secret), through env only; it requires none from clients
     router = by_name(r, "Deployment", "m-router")
-    assert env_of(router) == {"PDSERVE_UPSTREAM_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+    assert env_of(router) == {"PDSERVE_UPSTREAM_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}},
+                              KV_TOKEN_ENV: {"secretKeyRef": {"name": names.kv_token_secret_name("m"),
+                                                              "key": KV_TOKEN_KEY}}}
     assert not any("api-key" in a for a in container(router)["args"])
 
 
