@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdserve.runtime import envs
 from pdserve.router.config import POLICIES, KVEventSource, RouterConfig
 
 
@@ -87,8 +88,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
             raise SystemExit(f"pdserve router: bad --kv-events-source {item!r}")
         sources[url.rstrip("/")] = KVEventSource(pub, replay or None)
     return RouterConfig(
-        upstream_api_key=a.upstream_api_key or _env("PDSERVE_UPSTREAM_API_KEY"), cache_salt_from=a.cache_salt_from,
-        tenant_header=a.tenant_header, cache_salt_secret=a.cache_salt_secret or _env("PDSERVE_CACHE_SALT_SECRET"),
+        upstream_api_key=a.upstream_api_key or envs.upstream_api_key(), cache_salt_from=a.cache_salt_from,
+        tenant_header=a.tenant_header, cache_salt_secret=a.cache_salt_secret or envs.cache_salt_secret(),
         token_cache_bytes=a.token_cache_bytes,
         host=a.host, port=a.port, workers=tuple(a.worker), prefill=tuple(a.prefill), decode=tuple(a.decode),
         discover=a.discover, namespace=a.namespace, role_label=a.role_label, pod_port=a.pod_port, policy=a.policy,
@@ -100,12 +101,6 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold,
         trust_client_kv_params=a.trust_client_kv_params)
 
-
-def _env(name: str) -> str | None:
-    # (secrets come from the environment so they stay off command lines; TODO: move to runtime/envs.py)
-    import os
-
-    return os.environ.get(name) or None
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):

@@ -28,3 +28,13 @@ def api_key() -> str | None:
 def kv_transfer_token() -> str | None:
     """Shared secret that authenticates KV-transfer side channels between pods (PDSERVE_KV_TOKEN)."""
     return os.environ.get("PDSERVE_KV_TOKEN") or None
+
+
+def upstream_api_key() -> str | None:
+    """Key the router presents to the runtime pods (PDSERVE_UPSTREAM_API_KEY; ``--upstream-api-key`` wins)."""
+    return os.environ.get("PDSERVE_UPSTREAM_API_KEY") or None
+
+
+def cache_salt_secret() -> str | None:
+    """Router secret that derives tenant cache salts (PDSERVE_CACHE_SALT_SECRET; ``--cache-salt-secret`` wins)."""
+    return os.environ.get("PDSERVE_CACHE_SALT_SECRET") or None
