@@ -18,6 +18,7 @@ import logging
 import uuid
 from typing import Any
 
+from pdserve import tracing
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubePodSource, PodWatcher, static_specs
 from pdserve.router.endpoints import Endpoint, EndpointPool
@@ -201,7 +202,9 @@ class RouterApp:
 
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         try:
-            outcome = await self.router.generate(path, raw, body, headers, request_id, send)
+            with tracing.router_span(headers, path, request_id):
+                outcome = await self.router.generate(path, raw, body, headers, request_id, send)
+                tracing.annotate(pdserve__router__outcome=outcome)
             state["done"] = True
             self.metrics.child(self.metrics.requests, outcome).inc()
         except asyncio.CancelledError:
