@@ -101,8 +101,9 @@ def configure(endpoint: str | None, service_name: str) -> bool:
     _max_pending = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME") or service_name})
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(_BoundedProcessor(BatchSpanProcessor(_CountingExporter(exporter),
-                                                                     max_queue_size=_max_pending)))
+    batch = min(_max_pending, int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "512")))
+    provider.add_span_processor(_BoundedProcessor(BatchSpanProcessor(
+        _CountingExporter(exporter), max_queue_size=_max_pending, max_export_batch_size=batch)))
     _provider, _tracer = provider, provider.get_tracer("pdserve")
     atexit.register(shutdown)
     log.info("tracing: exporting spans of %s to %s (%s)", service_name, endpoint, protocol)
