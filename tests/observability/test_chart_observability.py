@@ -114,3 +114,23 @@ def test_pod_labels_match_the_podmonitor_selectors():
         assert labels[names.COMPONENT_LABEL] == ("router" if role == "router" else "runtime")
         assert labels[names.NAME_LABEL] == "pdserve" and labels[names.ROLE_LABEL] == role
         assert labels[names.INSTANCE_LABEL] == "x"
+
+
+def test_tracing_value_reaches_every_pod_through_the_operator(helm, monkeypatch):
+    docs = template(helm, "--set", "tracing.otlpTracesEndpoint=http://otel.obs:4317", "--set", "tracing.protocol=grpc")
+    c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env == {"PDSERVE_POD_OTLP_TRACES_ENDPOINT": "http://otel.obs:4317", "PDSERVE_POD_OTLP_TRACES_PROTOCOL": "grpc"}
+    assert "env" not in next(d for d in template(helm) if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]
+
+    from pdserve.operator import configmap
+
+    plain = configmap.shared_env()
+    assert not any(k.startswith("OTEL_") for k in plain)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert configmap.shared_env() == {**plain, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://otel.obs:4317",
+                                      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}
+    # A changed ConfigMap changes the pods' config-hash annotation, so turning tracing on rolls them.
+    assert configmap.config_hash(plain) != configmap.config_hash(configmap.shared_env())
