@@ -43,7 +43,8 @@ class OperatorMetrics:
 
     @asynccontextmanager
     async def reconcile(self, kind: str) -> AsyncIterator[dict[str, str]]:
-        """``async with``: time one reconcile; the caller may set ``result`` in the yielded dict (default ok, error on exception)."""
+        """``async with``: time one reconcile; the caller may set ``result`` in the yielded dict (default ``ok``,
+        ``error`` on an exception)."""
         out = {"result": "ok"}
         start = time.perf_counter()
         try:

@@ -92,7 +92,8 @@ class Router:
         decode_ep = decision.endpoint
         m.child(m.decisions, "decode", decode_ep.url).inc()
         m.child(m.scores, "decode").observe(decision.score)
-        tracing.annotate(pdserve__prompt_tokens=ctx.num_prompt_tokens, **tracing.decision_attributes("decode", decision))
+        tracing.annotate(pdserve__prompt_tokens=ctx.num_prompt_tokens,
+                         **tracing.decision_attributes("decode", decision))
         fwd = {"content-type": "application/json", "x-request-id": request_id}
         tracing.inject(fwd)   # the pods' spans are children of the router's
         payload = raw

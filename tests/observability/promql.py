@@ -101,7 +101,8 @@ def alert_probes(expr: str) -> list[str]:
     probes = []
     for part in parts:
         top = [(i, c) for i, c in _top_level(part)]
-        ops = [i for j, (i, c) in enumerate(top) if c in "<>" or (c in "=!" and j + 1 < len(top) and top[j + 1][1] == "=")]
+        ops = [i for j, (i, c) in enumerate(top)
+               if c in "<>" or (c in "=!" and j + 1 < len(top) and top[j + 1][1] == "=")]
         assert ops, f"alert operand without a top-level comparison: {part!r}"
         i = ops[-1]
         end = i + (2 if part[i + 1:i + 2] == "=" else 1)

@@ -16,7 +16,8 @@ import yaml
 from tests.observability import promql
 from tests.operator.kubeenv import bin_dir
 
-ON = ["--set", "dashboards.enabled=true", "--set", "prometheusRules.enabled=true", "--set", "serviceMonitors.enabled=true"]
+ON = ["--set", "dashboards.enabled=true", "--set", "prometheusRules.enabled=true",
+      "--set", "serviceMonitors.enabled=true"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,8 @@ def test_tracing_value_reaches_every_pod_through_the_operator(helm, monkeypatch)
     docs = template(helm, "--set", "tracing.otlpTracesEndpoint=http://otel.obs:4317", "--set", "tracing.protocol=grpc")
     c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env == {"PDSERVE_POD_OTLP_TRACES_ENDPOINT": "http://otel.obs:4317", "PDSERVE_POD_OTLP_TRACES_PROTOCOL": "grpc"}
+    assert env == {"PDSERVE_POD_OTLP_TRACES_ENDPOINT": "http://otel.obs:4317",
+                   "PDSERVE_POD_OTLP_TRACES_PROTOCOL": "grpc"}
     assert "env" not in next(d for d in template(helm) if d["kind"] == "Deployment")["spec"]["template"]["spec"][
         "containers"][0]
 

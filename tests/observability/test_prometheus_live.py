@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -99,7 +98,8 @@ def prometheus(stack, operator_metrics, tmp_path_factory):
             {"job_name": "router", "honor_labels": True,
              "static_configs": [target(stack["router"], "router", "router-0")]},
             {"job_name": "operator", "honor_labels": True,
-             "static_configs": [{"targets": [op_host], "labels": {"namespace": "pdserve-system", "pod": "operator-0"}}]},
+             "static_configs": [{"targets": [op_host],
+                                 "labels": {"namespace": "pdserve-system", "pod": "operator-0"}}]},
         ]}
     (d / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
