@@ -22,9 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="period of the drift-repair timer per InferenceService (default %(default)s)")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", metavar="URL",
                    help="liveness endpoint served by kopf (default %(default)s; 'none' disables it)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics (reconcile time, pool replicas, autoscaling) on this port (0: off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint (default %(default)s)")
+    p.add_argument("--metrics", default="none", metavar="HOST:PORT",
+                   help="serve the operator's Prometheus metrics (pdserve_operator_*) here (default: off)")
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
                    help="log line format (default %(default)s: one JSON object per line)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
@@ -33,16 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
+    from prometheus_client import CollectorRegistry, start_http_server
 
     from pdserve.operator.handlers import register
-    from pdserve.operator.metrics import OperatorMetrics
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()], log_refkey="object")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    metrics = OperatorMetrics()
-    if args.metrics_port:
-        metrics.serve(args.metrics_host, args.metrics_port)
-    registry = register(kopf.OperatorRegistry(), args.resync_seconds, metrics)
+    metrics = CollectorRegistry()
+    if args.metrics != "none":
+        host, _, port = args.metrics.rpartition(":")
+        start_http_server(int(port), addr=host or "0.0.0.0", registry=metrics)
+    registry = register(kopf.OperatorRegistry(), args.resync_seconds, metrics=metrics)
     liveness = None if args.liveness == "none" else args.liveness
     try:
         asyncio.run(kopf.operator(registry=registry, standalone=True, liveness_endpoint=liveness,

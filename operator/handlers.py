@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import kopf
+from prometheus_client import CollectorRegistry
 
 from pdserve.operator import names
 from pdserve.operator.kube import Kube
@@ -79,9 +80,10 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
 
 
 def register(registry: kopf.OperatorRegistry, resync_seconds: float,
-             metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
-    """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent)."""
-    metrics = metrics or OperatorMetrics()
+             metrics: CollectorRegistry | None = None) -> kopf.OperatorRegistry:
+    """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent);
+    ``metrics`` receives the operator's own metrics (the CLI serves it when asked to)."""
+    operator_metrics = OperatorMetrics(metrics if metrics is not None else CollectorRegistry())
 
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
@@ -92,7 +94,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float,
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         memo.kube = await Kube.connect()
-        memo.metrics = metrics
+        memo.metrics = operator_metrics
         memo.closing = False
         memo.locks = {}
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()

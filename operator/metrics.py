@@ -1,12 +1,12 @@
-"""The operator's Prometheus metrics (``pdserve operator --metrics-port``), in a registry owned by one operator run.
+"""The operator's reconcile metrics (``pdserve operator --metrics HOST:PORT``), in the registry of one operator run.
 
 - ``pdserve_operator_reconcile_duration_seconds{kind}`` / ``pdserve_operator_reconciles_total{kind,result}``: one
   observation per ``sync`` (kind ``full``: apply + prune + status; ``status``: status refresh only), result ``ok``,
   ``invalid`` (spec rejected) or ``error`` (an exception; kopf retries).
 - ``pdserve_operator_pool_replicas{namespace,isvc,role,state}``: desired and ready replicas per pool, from the status
   the operator last computed (what the "pods not ready" alert compares).
-- ``pdserve_operator_autoscale_decisions_total{role,direction}``: scaling decisions taken by the autoscaler
-  (``autoscale_decision``); every (role, direction) exists from start so rates and alerts work before the first one.
+
+The autoscaler registers its own ``pdserve_operator_autoscale_*`` metrics in the same registry.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 POOLS = ("prefill", "decode", "router")
 
 
 class OperatorMetrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = self.registry = registry
         self.reconcile_seconds = Histogram("pdserve_operator_reconcile_duration_seconds",
                                            "Time of one reconcile (observe, apply, status).", ["kind"],
                                            buckets=RECONCILE_BUCKETS, registry=r)
@@ -31,15 +31,9 @@ class OperatorMetrics:
                                   ["kind", "result"], registry=r)
         self.replicas = Gauge("pdserve_operator_pool_replicas", "Replicas of each pool: desired and ready.",
                               ["namespace", "isvc", "role", "state"], registry=r)
-        self.autoscale_decisions = Counter("pdserve_operator_autoscale_decisions",
-                                           "Autoscaler decisions that changed a pool's replicas.",
-                                           ["role", "direction"], registry=r)
         for kind in ("full", "status"):
             for result in ("ok", "invalid", "error"):
                 self.reconciles.labels(kind, result)
-        for role in ("prefill", "decode"):
-            for direction in ("up", "down"):
-                self.autoscale_decisions.labels(role, direction)
 
     @asynccontextmanager
     async def reconcile(self, kind: str) -> AsyncIterator[dict[str, str]]:
@@ -76,11 +70,3 @@ class OperatorMetrics:
     def forget(self, namespace: str, isvc: str) -> None:
         for role in POOLS:
             self.forget_pool(namespace, isvc, role)
-
-    def autoscale_decision(self, role: str, direction: str) -> None:
-        """Count one scaling decision (direction ``up`` or ``down``) of a prefill or decode pool."""
-        self.autoscale_decisions.labels(role, direction).inc()
-
-    def serve(self, host: str, port: int) -> None:
-        """Expose ``/metrics`` on ``host:port`` (a daemon thread)."""
-        start_http_server(port, addr=host, registry=self.registry)

@@ -103,7 +103,7 @@ def test_monitoring_objects_render_when_enabled(helm):
             "pool": ["__meta_kubernetes_pod_label_pdserve_dev_role"]}
     op = next(d for d in docs if d["kind"] == "Deployment")
     c = op["spec"]["template"]["spec"]["containers"][0]
-    assert "--metrics-port=8082" in c["args"] and {"name": "metrics", "containerPort": 8082} in c["ports"]
+    assert "--metrics=0.0.0.0:8082" in c["args"] and {"name": "metrics", "containerPort": 8082} in c["ports"]
     assert monitors["rel-pdserve-operator"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
 
 

@@ -43,14 +43,14 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def operator_metrics(cluster, chart_release, tmp_path_factory):  # noqa: F811
-    """`pdserve operator --metrics-port` as the chart's ServiceAccount, reconciling the P/D example; yields the url."""
+    """`pdserve operator --metrics` as the chart's ServiceAccount, reconciling the P/D example; yields the url."""
     token = cluster.kubectl("create", "token", RELEASE, "-n", chart_release, "--duration", "1h").stdout.strip()
     d = tmp_path_factory.mktemp("operator")
     kubeconfig = write_kubeconfig(d / "kubeconfig", cluster.server, cluster.workdir / "ca.crt", token)
     port = free_port()
     log = d / "operator.log"
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "operator", "--liveness", "none",
-                             "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--resync-seconds", "5"],
+                             "--metrics", f"127.0.0.1:{port}", "--resync-seconds", "5"],
                             cwd=d, env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
