@@ -10,18 +10,21 @@ redis      blocks under their hash with a TTL (a prefix cache shared by every po
            ssl, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs
 disk       one file per block under a (shared) directory, atomic writes, size-capped LRU.
            config: path (required), max_bytes
-all        async_load (true), load_timeout_s, load_threads; redis/disk also save, load, retry_after_s,
-           handoff_timeout_s, engine_id
+all        token (else PDSERVE_KV_TOKEN: the deployment's KV secret, required unless insecure), insecure,
+           async_load (true), load_timeout_s, load_threads; redis/disk also save, load, retry_after_s,
+           handoff_timeout_s, engine_id, params_ttl_s, max_pending_save_bytes
 =========  ==========================================================================================================
 
-Layout: ``block_codec`` (the on-wire/on-disk block record), ``load_errors`` (typed failures + counters), ``loading``
+Layout: ``kv_auth`` (the secret: signed kv_transfer_params, handoff headers), ``block_codec`` (the on-wire/on-disk block record), ``load_errors`` (typed failures + counters), ``loading``
 (shared load bookkeeping), ``store_connector`` (disk/Redis logic over a ``BlockStore``), ``side_channel`` and
-``leases`` (NIXL's control plane).
+``leases`` (NIXL's control plane), ``ucx_bind`` (UCX listeners on the configured address only).
 
 Metrics (``connector.metrics()``; keys carry Prometheus-style labels): ``kv_load_failures{kind=missing|corrupt|
 fingerprint|timeout|peer_unreachable|lease_expired}`` (failed request loads), ``kv_blocks_loaded``,
 ``kv_bytes_loaded``, ``kv_blocks_load_failed``, ``kv_blocks_saved``, ``kv_bytes_saved``, ``kv_saves_skipped``,
-``kv_store_errors``; NIXL adds ``kv_leases_active``, ``kv_leases_expired``, ``kv_leases_released``,
-``kv_peer_handshakes``, ``kv_peers_dropped``, ``kv_side_channel_auth_failures``. Every failure is also logged with the
+``kv_store_errors``, ``kv_params_rejected{reason=unsigned|bad_signature|expired|malformed}`` (kv_transfer_params
+ignored before any connection), ``kv_handoffs_rejected`` (403s to unauthenticated do_remote_decode requests),
+``kv_saves_dropped_queue_full``; NIXL adds ``kv_leases_active``, ``kv_leases_expired``, ``kv_leases_released``,
+``kv_peer_handshakes``, ``kv_peers_dropped``, ``kv_side_channel_auth_failures``, ``kv_side_channel_busy_rejections``. Every failure is also logged with the
 request id.
 """

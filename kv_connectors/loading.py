@@ -2,7 +2,9 @@
 
 Subclasses answer two questions and the rest follows the base contract:
 
-* :meth:`LoadingConnector._num_loadable` - how many blocks from ``start`` on could be loaded for this request;
+* :meth:`LoadingConnector._num_loadable` - how many blocks from ``start`` on could be loaded for this request, given
+  its *verified* ``kv_transfer_params`` (None unless they were signed by a prefill of this deployment: see
+  :mod:`kv_auth`; unsigned, forged or expired params are dropped before any lookup, counted by reason);
 * :meth:`LoadingConnector._load` - load a job's blocks into the registered cache (``_write_block``), returning the
   block ids that failed, each with its :class:`KVLoadError`.
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kv_connectors import kv_auth
 from pdserve.kv_connectors.block_codec import tensor_bytes
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, KVConnectorBase, KVConnectorMetadata
 from pdserve.kv_connectors.load_errors import ConnectorStats, KVLoadError, LoadTimeout, logger
@@ -31,7 +34,7 @@ from pdserve.kv_connectors.load_errors import ConnectorStats, KVLoadError, LoadT
 class LoadJob:
     request_id: str
     blocks: list[tuple[int, int, bytes]]       # (block_index in the request, block id, block hash)
-    params: dict[str, Any] | None               # the request's kv_transfer_params
+    params: dict[str, Any] | None               # the request's verified kv_transfer_params (None: not trusted/none)
     is_async: bool
     deadline: float = 0.0
     cancelled: bool = False
@@ -47,6 +50,13 @@ class LoadingConnector(KVConnectorBase):
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
         super().__init__(role, config, spec)
         self.stats = ConnectorStats(self.name)
+        self.secret = kv_auth.require_secret(self.name, config)   # None only when explicitly insecure
+        if self.secret is None:
+            logger.warning("%s: running INSECURELY (no KV secret): kv_transfer_params are neither signed nor checked, "
+                           "so any client can make this pod read KV from an address it names", self.name)
+        for reason in kv_auth.REJECT_REASONS:
+            self.stats.add(f"kv_params_rejected{{reason={reason}}}", 0)
+        self._verdicts: dict[str, tuple[Any, dict[str, Any] | None]] = {}   # request id -> (its params, trusted or None)
         self.async_load = bool(config.get("async_load", True))
         self.load_timeout_s = float(config.get("load_timeout_s", 10.0))
         self.fingerprint = spec.fingerprint()
@@ -54,7 +64,7 @@ class LoadingConnector(KVConnectorBase):
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
         self._lock = threading.Lock()
-        self._claims: dict[str, tuple[int, list[bytes]]] = {}
+        self._claims: dict[str, tuple[int, list[bytes], dict[str, Any] | None]] = {}
         self._allocated: dict[str, LoadJob] = {}
         self._scheduled: dict[str, LoadJob] = {}
         self._running: dict[str, LoadJob] = {}
@@ -65,8 +75,10 @@ class LoadingConnector(KVConnectorBase):
         self._pool = ThreadPoolExecutor(int(config.get("load_threads", 2)), thread_name_prefix=f"pdserve-{self.name}")
 
     # ---- subclass hooks ---------------------------------------------------------------------------------------------
-    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
-        """Consecutive blocks ``hashes[start:]`` that can be loaded (``hashes`` already excludes the last token)."""
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes],
+                      params: dict[str, Any] | None) -> int:
+        """Consecutive blocks ``hashes[start:]`` that can be loaded (``hashes`` already excludes the last token);
+        ``params``: the request's verified load-directing ``kv_transfer_params`` (None when it has none)."""
         raise NotImplementedError
 
     def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
@@ -81,6 +93,24 @@ class LoadingConnector(KVConnectorBase):
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         return False, None
 
+    def _trusted_params(self, request: ConnectorRequest) -> dict[str, Any] | None:
+        """The request's ``kv_transfer_params`` if they direct a load (``do_remote_prefill``) and carry a valid, unexpired
+        signature of this deployment's secret; None otherwise. Decided once per request (and counted once)."""
+        rid, p = request.request_id, request.kv_transfer_params
+        seen = self._verdicts.get(rid)
+        if seen is not None and seen[0] is p:
+            return seen[1]
+        if not (isinstance(p, dict) and p.get("do_remote_prefill")):
+            return None
+        reason = kv_auth.verify_params(p, self.secret) if self.secret is not None else None
+        if reason is not None:
+            self.stats.add(f"kv_params_rejected{{reason={reason}}}")
+            logger.warning("%s: ignoring kv_transfer_params of request %s (%s): computing its prompt locally",
+                           self.name, rid, reason)
+        trusted = p if reason is None else None
+        self._verdicts[rid] = (p, trusted)
+        return trusted
+
     # ---- scheduler side -------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.spec.block_size
@@ -91,25 +121,26 @@ class LoadingConnector(KVConnectorBase):
         start = num_computed_tokens // bs
         if start >= len(hashes):
             return 0, False
+        params = self._trusted_params(request)
         try:
-            n = min(self._num_loadable(request, start, hashes), len(hashes) - start)
+            n = min(self._num_loadable(request, start, hashes, params), len(hashes) - start)
         except Exception:   # a lookup that fails is a miss: the engine computes the prompt itself
             logger.exception("%s: lookup failed for request %s", self.name, request.request_id)
             n = 0
         if n <= 0:
             return 0, False
-        self._claims[request.request_id] = (start, hashes[start:start + n])
+        self._claims[request.request_id] = (start, hashes[start:start + n], params)
         return n * bs, self.async_load
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int) -> None:
         claim = self._claims.pop(request.request_id, None)
         if claim is None or num_external_tokens <= 0:
             return
-        start, hashes = claim
+        start, hashes, params = claim
         n = min(len(hashes), num_external_tokens // self.spec.block_size)
         blocks = [(start + i, block_ids[start + i], hashes[i]) for i in range(n)]
-        self._allocated[request.request_id] = LoadJob(request.request_id, blocks, request.kv_transfer_params,
-                                                      self.async_load, record=getattr(request, "kv_transfer", None))
+        self._allocated[request.request_id] = LoadJob(request.request_id, blocks, params, self.async_load,
+                                                      record=getattr(request, "kv_transfer", None))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads={rid: [(i, b) for i, b, _ in job.blocks] for rid, job in self._allocated.items()})
@@ -121,6 +152,7 @@ class LoadingConnector(KVConnectorBase):
         rid = request.request_id
         self._claims.pop(rid, None)
         self._allocated.pop(rid, None)
+        self._verdicts.pop(rid, None)
         with self._lock:
             if rid in self._running:   # the load thread may still write into these blocks: keep them until it is done
                 self._free_after_load.add(rid)

@@ -7,11 +7,14 @@ Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote
 An authenticated side channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint,
 cache address), ``heartbeat`` (extends a live lease) and ``done`` (releases the lease if it is alive and held exactly
 the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or expired.
+The params are signed with the deployment's secret and expire with the lease (:mod:`kv_auth`).
 
-Decode - a request with ``do_remote_prefill`` and a lease claims the listed blocks that match its own prompt beyond its
-local prefix hits and loads them in a background thread: handshake (cached per peer; a peer whose call fails is
-dropped and re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats
-keep the lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
+Decode - a request with ``do_remote_prefill`` params whose signature checks out (anything else is ignored before any
+connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
+its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
+bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
+re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats keep the
+lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
 blocks were never freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of
 returning wrong tokens, and params edited to point elsewhere fail it (``corrupt``). Finally each block's checksum is
 re-checked (``verify_checksums``, default on for CPU caches).
@@ -19,7 +22,8 @@ re-checked (``verify_checksums``, default on for CPU caches).
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
 is 0.0.0.0), ``token`` (else PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s``
 (10), ``verify_checksums``, ``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001),
-``progress_grace_s`` (10).
+``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices`` (default: the interface of
+``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing signed or checked).
 
 CPU: NIXL's own progress thread spins a core, which starves the model's forward pass on small hosts, so agents run
 without it: the decode side progresses its READs while polling them, and the prefill side runs a light progress loop
@@ -43,14 +47,13 @@ try:
 except ImportError:  # the PyPI wheel for CUDA 12 installs the same API as nixl_cu12
     from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from pdserve.kv_connectors import side_channel
+from pdserve.kv_connectors import kv_auth, side_channel, ucx_bind
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_connector
 from pdserve.kv_connectors.block_codec import ALGO_CRC32, checksum, default_algo, tensor_bytes
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
                                                LoadTimeout, PeerUnreachable, logger)
 from pdserve.kv_connectors.leases import LeaseTable
 from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
-from pdserve.runtime import envs
 
 
 @dataclass
@@ -76,10 +79,9 @@ class NixlConnector(LoadingConnector):
         self.advertise_host = str(config.get("advertise_host") or self.host)
         if self.advertise_host in ("0.0.0.0", "::", ""):   # bound to every interface: advertise this host's address
             self.advertise_host = socket.gethostbyname(socket.gethostname())
-        token = config.get("token") or envs.kv_transfer_token()
-        if not token:
-            logger.warning("nixl: no side-channel token configured (token / PDSERVE_KV_TOKEN); using an empty key")
-        self.token = (token or "").encode()
+        self.token = self.secret or b""   # insecure mode (explicitly asked for): an empty key
+        self.ucx_net_devices = config.get("ucx_net_devices")
+        self.max_side_channel_connections = int(config.get("max_side_channel_connections", 32))
         self.leases = LeaseTable(float(config.get("lease_s", 30.0)))
         self.handshake_timeout_s = float(config.get("handshake_timeout_s", 5.0))
         self.verify_checksums = config.get("verify_checksums")
@@ -97,8 +99,9 @@ class NixlConnector(LoadingConnector):
         assert kv_cache.is_contiguous(), "NIXL registers the cache as one region"
         if self.verify_checksums is None:
             self.verify_checksums = kv_cache.device.type == "cpu"
-        self.agent = nixl_agent(self.engine_id, nixl_agent_config(
-            backends=self.backends, enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        with ucx_bind.bound_to(self.ucx_net_devices or ucx_bind.net_devices(self.host)):
+            self.agent = nixl_agent(self.engine_id, nixl_agent_config(
+                backends=self.backends, enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._reg = self.agent.register_memory(kv_cache)
         self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.device_id = kv_cache.device.index or 0
@@ -108,7 +111,10 @@ class NixlConnector(LoadingConnector):
         if self.role in ("prefill", "both"):
             self.server = side_channel.SideChannelServer(
                 self.host, self.port, self.token, self._handle, timeout=self.handshake_timeout_s,
-                on_auth_failure=lambda: self.stats.add("kv_side_channel_auth_failures"))
+                on_auth_failure=lambda: self.stats.add("kv_side_channel_auth_failures"),
+                engine_id=self.engine_id, advertise_host=self.advertise_host,
+                max_connections=self.max_side_channel_connections,
+                on_busy=lambda: self.stats.add("kv_side_channel_busy_rejections"))
             self.port = self.server.port
             threading.Thread(target=self._progress_loop, name="pdserve-nixl-progress", daemon=True).start()
             logger.info("nixl: engine %s serves KV on %s:%d", self.engine_id, self.host, self.port)
@@ -158,14 +164,14 @@ class NixlConnector(LoadingConnector):
                "remote_host": self.advertise_host, "remote_port": self.port, "tp_size": 1, "connector": self.name,
                "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]]}
         if not ids:
-            return False, out
+            return False, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
         if self.verify_checksums:
             algo = default_algo()   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
             out["checksum_algo"] = algo
             out["block_checksums"] = [f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" for b in ids]
         out["lease_id"] = self.leases.grant(request.request_id, ids, out["block_hashes"])
-        out["lease_s"] = self.leases.lease_s
-        return True, out
+        out["lease_ms"] = int(self.leases.lease_s * 1000)
+        return True, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
 
     def _finished_sending(self) -> set[str]:
         freed = self.leases.reap()
@@ -173,8 +179,9 @@ class NixlConnector(LoadingConnector):
         return freed
 
     # ---- decode side -----------------------------------------------------------------------------------------------
-    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
-        p = request.kv_transfer_params or {}
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes],
+                      params: dict[str, Any] | None) -> int:
+        p = params or {}
         if not (p.get("do_remote_prefill") and p.get("remote_host") and p.get("remote_port") and p.get("lease_id")):
             return 0   # without a lease nothing proves what the remote blocks hold
         remote = p.get("block_hashes") or []
@@ -186,7 +193,8 @@ class NixlConnector(LoadingConnector):
 
     def _call(self, peer: Peer, op: str, body: dict) -> dict:
         try:
-            return side_channel.call(peer.host, peer.port, self.token, op, body, self.handshake_timeout_s)
+            return side_channel.call(peer.host, peer.port, self.token, op, body, self.handshake_timeout_s,
+                                     client_id=self.engine_id, server_engine_id=peer.engine_id)
         except KVLoadError:
             self._drop_peer(peer)
             raise
@@ -197,7 +205,8 @@ class NixlConnector(LoadingConnector):
             return peer
         if peer:                      # another engine answers there now: the old one is gone
             self._drop_peer(peer)
-        meta = side_channel.call(host, port, self.token, "meta", {}, self.handshake_timeout_s)
+        meta = side_channel.call(host, port, self.token, "meta", {}, self.handshake_timeout_s,
+                                 client_id=self.engine_id, server_engine_id=engine_id)
         if meta["fingerprint"] != self.fingerprint:
             raise FingerprintMismatch(f"peer {host}:{port} has fingerprint {meta['fingerprint']}, ours is "
                                       f"{self.fingerprint}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_connectors import block_codec
+from pdserve.kv_connectors import block_codec, kv_auth
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LoadTimeout,
                                                MissingBlock, logger)
@@ -63,7 +63,9 @@ class BlockStore(ABC):
 
 class StoreConnector(LoadingConnector):
     """Config (besides the store's own): ``save`` (default true), ``load`` (default true), ``retry_after_s`` (5),
-    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff)."""
+    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff), ``params_ttl_s`` (120, how long signed
+    handoff params stay valid), ``max_pending_save_bytes`` (256 MiB: block snapshots queued for the background writer
+    beyond this are skipped and counted as ``kv_saves_skipped``, so a slow store cannot grow memory without bound)."""
 
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
         super().__init__(role, config, spec)
@@ -77,6 +79,9 @@ class StoreConnector(LoadingConnector):
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes this process saved recently
         self._known_cap = 65536
         self._store_down_until = 0.0
+        self.params_ttl_s = float(config.get("params_ttl_s", 120.0))
+        self.max_pending_save_bytes = int(config.get("max_pending_save_bytes", 256 << 20))
+        self._pending_save_bytes = 0   # snapshots queued for (or being written by) the writer thread
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
         self._known_lock = threading.Lock()
         self._tls = threading.local()
@@ -85,11 +90,11 @@ class StoreConnector(LoadingConnector):
         raise NotImplementedError
 
     # ---- loading -------------------------------------------------------------------------------------------------
-    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes]) -> int:
+    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes],
+                      params: dict[str, Any] | None) -> int:
         if not self.load_enabled:
             return 0
-        params = request.kv_transfer_params or {}
-        remote = params.get("block_hashes") if params.get("do_remote_prefill") else None
+        remote = (params or {}).get("block_hashes")
         if remote is not None:
             n = 0
             while start + n < min(len(hashes), len(remote)) and remote[start + n] == hashes[start + n].hex():
@@ -175,12 +180,12 @@ class StoreConnector(LoadingConnector):
         self._saved_upto.pop(request.request_id, None)
         if not handoff:
             return False, None
-        return False, {
+        return False, kv_auth.sign_params({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
             "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
             "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
-        }
+        }, self.secret, self.params_ttl_s)
 
     def _save_range(self, request: ConnectorRequest, block_ids: list[int], upto: int, *, sync: bool,
                     force: bool = False) -> None:
@@ -206,12 +211,29 @@ class StoreConnector(LoadingConnector):
         if sync and self.kv_cache.device.type == "cpu":   # written before returning: the live blocks will do
             self._write(request.request_id, [h for h, _ in todo], [self.kv_cache[b] for _, b in todo])
             return
+        nbytes = len(todo) * self.spec.block_bytes
+        if not sync:
+            with self._known_lock:
+                full = self._pending_save_bytes > 0 and self._pending_save_bytes + nbytes > self.max_pending_save_bytes
+                if not full:
+                    self._pending_save_bytes += nbytes
+            if full:   # the writer is behind (slow store): drop these saves rather than queue memory without bound
+                self.stats.add("kv_saves_skipped", len(todo))
+                self.stats.add("kv_saves_dropped_queue_full", len(todo))
+                return
         # One gather copy: the snapshot stays valid even if the engine reuses the blocks before the write.
         snap = self.kv_cache[torch.tensor([b for _, b in todo])].cpu()
         if sync:
             self._write(request.request_id, [h for h, _ in todo], list(snap))
         else:
-            self._writer.submit(self._write, request.request_id, [h for h, _ in todo], list(snap))
+            self._writer.submit(self._queued_write, nbytes, request.request_id, [h for h, _ in todo], list(snap))
+
+    def _queued_write(self, nbytes: int, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
+        try:
+            self._write(request_id, hashes, blocks)
+        finally:
+            with self._known_lock:
+                self._pending_save_bytes -= nbytes
 
     def _write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
         items = []

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="period of the drift-repair timer per InferenceService (default %(default)s)")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", metavar="URL",
                    help="liveness endpoint served by kopf (default %(default)s; 'none' disables it)")
+    p.add_argument("--autoscale-tick-seconds", type=float, default=5.0,
+                   help="how often the autoscaler checks each autoscaled InferenceService (it acts once per "
+                   "spec.autoscaling.intervalSeconds; default %(default)s)")
     p.add_argument("--metrics", default="none", metavar="HOST:PORT",
                    help="serve the operator's Prometheus metrics (pdserve_operator_*) here (default: off)")
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics != "none":
         host, _, port = args.metrics.rpartition(":")
         start_http_server(int(port), addr=host or "0.0.0.0", registry=metrics)
-    registry = register(kopf.OperatorRegistry(), args.resync_seconds, metrics=metrics)
+    registry = register(kopf.OperatorRegistry(), args.resync_seconds, args.autoscale_tick_seconds, metrics)
     liveness = None if args.liveness == "none" else args.liveness
     try:
         asyncio.run(kopf.operator(registry=registry, standalone=True, liveness_endpoint=liveness,

@@ -32,7 +32,8 @@ def kv_connector_config(spec: InferenceServiceSpec) -> dict[str, Any]:
     """The JSON given to ``--kv-connector-config`` for the chosen connector (``$(VAR)`` expanded by the kubelet)."""
     kv = spec.kv_transfer
     if kv.connector == "nixl":
-        return {"host": "0.0.0.0", "port": names.NIXL_PORT, "advertise_host": f"$({POD_IP_ENV})"}
+        # The side channel and UCX listen on the pod IP only (kv_connectors/ucx_bind.py), not on every interface.
+        return {"host": f"$({POD_IP_ENV})", "port": names.NIXL_PORT, "advertise_host": f"$({POD_IP_ENV})"}
     if kv.connector == "redis":
         assert kv.redis is not None  # CEL rule on the CRD
         return {"url": kv.redis.url or f"$({REDIS_URL_ENV})"}

@@ -11,6 +11,7 @@ API server prunes and, with strict field validation, rejects unknown fields itse
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,17 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "additionalProperties" and value is False:
             continue
+        if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020 (pydantic) gives the bound; OpenAPI v3.0 (Kubernetes) wants the bound + a flag
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            value = True
         if key == "properties":
             value = {k: structural(v, defs) for k, v in value.items()}
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
             value = structural(value, defs)
         elif key == "anyOf":
             value = [structural(v, defs) for v in value]
-        out[key] = value
+        out[key] = copy.deepcopy(value)  # no shared nodes: YAML would write anchors and aliases
     if "properties" in out:
         out.setdefault("type", "object")
     return out

@@ -5,6 +5,8 @@
 - events of owned Deployments/Services: a deleted child, or one whose spec changed (its generation moved, e.g. a hand
   edit), triggers a full sync of its owner at once; any other change only refreshes the owner's status (status
   follows the children's readyReplicas). Other kinds (ConfigMap, RBAC, Secret) are repaired by the timer.
+- a timer per autoscaled InferenceService (spec.autoscaling) runs the autoscaler (autoscaler.py), which writes
+  replicas into the spec; the spec change then reconciles like any other.
 - an invalid spec (one the CRD schema let through) sets Ready=False with the reason, posts a Warning Event once per
   generation and raises ``kopf.PermanentError`` from create/update (no retry loop); running children are left alone.
 
@@ -23,6 +25,7 @@ import kopf
 from prometheus_client import CollectorRegistry
 
 from pdserve.operator import names
+from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.kube import Kube
 from pdserve.operator.metrics import OperatorMetrics
 from pdserve.operator.reconcile import reconcile
@@ -79,11 +82,12 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
                                  if result.status.get(k)))
 
 
-def register(registry: kopf.OperatorRegistry, resync_seconds: float,
+def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_tick_seconds: float = 5.0,
              metrics: CollectorRegistry | None = None) -> kopf.OperatorRegistry:
     """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent);
     ``metrics`` receives the operator's own metrics (the CLI serves it when asked to)."""
-    operator_metrics = OperatorMetrics(metrics if metrics is not None else CollectorRegistry())
+    metrics = metrics if metrics is not None else CollectorRegistry()
+    operator_metrics = OperatorMetrics(metrics)   # reconciles; the autoscaler registers its own in the same registry
 
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
@@ -99,6 +103,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float,
         memo.locks = {}
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
         memo.generations = {}  # (kind, namespace, name) -> last seen metadata.generation of owned children
+        memo.autoscaler = Autoscaler(memo.kube, metrics if metrics is not None else CollectorRegistry())
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -112,6 +117,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float,
             if not any(lock.locked() for lock in memo.locks.values()):
                 break
             await asyncio.sleep(0.1)
+        await memo.autoscaler.close()
         await memo.kube.close()
 
     @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
@@ -126,10 +132,18 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float,
         memo.statuses.pop(key, None)
         memo.locks.pop(key, None)
         memo.metrics.forget(*key)
+        memo.autoscaler.forget(*key)
 
     @kopf.timer(*ISVC, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     async def resync(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         await sync(memo, dict(body), logger, repair=True)
+
+    @kopf.timer(*ISVC, id="autoscale", interval=autoscale_tick_seconds, registry=registry,
+                when=lambda spec, **_: bool(spec.get("autoscaling")))
+    async def autoscale(body: kopf.Body, memo: Any, **_: Any) -> None:
+        # the timer ticks often; Autoscaler.tick acts once per spec.autoscaling.intervalSeconds per object
+        if not memo.closing:
+            await memo.autoscaler.tick(dict(body))
 
     owned = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
 

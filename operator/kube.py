@@ -8,6 +8,7 @@ per-request timeout; anything else raises ``ApiException`` for kopf to retry the
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import os
 from typing import Any
@@ -27,6 +28,9 @@ KIND_PATHS = {  # kind -> (API prefix, plural); all namespaced
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Pod": ("/api/v1", "pods"),  # read only: the autoscaler scrapes runtime pods
+    "Event": ("/api/v1", "events"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     names.KIND: (f"/apis/{names.API_VERSION}", names.PLURAL),
@@ -124,15 +128,43 @@ class Kube:
             raise
 
     async def observe(self, namespace: str, instance: str, owner_uid: str) -> Observed:
-        """Deployments and Services controlled by the InferenceService with ``owner_uid``."""
+        """Deployments, Services and PodDisruptionBudgets controlled by the InferenceService with ``owner_uid``."""
         selector = f"{names.INSTANCE_LABEL}={instance},{names.MANAGED_BY_LABEL}={names.MANAGED_BY}"
         found = []
-        for kind in ("Deployment", "Service"):
+        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
             items = (await self.request("GET", object_path(kind, namespace), query=[("labelSelector", selector)]))
             found.append({o["metadata"]["name"]: o for o in items.get("items", [])
                           if any(r.get("controller") and r.get("uid") == owner_uid
                                  for r in o["metadata"].get("ownerReferences", []))})
-        return Observed(deployments=found[0], services=found[1])
+        return Observed(deployments=found[0], services=found[1], pdbs=found[2])
+
+    async def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        return (await self.request("GET", object_path("Pod", namespace), query=[("labelSelector", selector)])
+                ).get("items", [])
+
+    async def set_replicas(self, namespace: str, name: str, role: str, replicas: int) -> None:
+        """Decode (or the monolithic pool) through the /scale subresource, prefill through spec.prefill.replicas
+        (a CRD version has a single /scale subresource)."""
+        path = object_path(names.KIND, namespace, name)
+        if role == "prefill":
+            body = {"spec": {"prefill": {"replicas": replicas}}}
+        else:
+            path, body = path + "/scale", {"spec": {"replicas": replicas}}
+        await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")
+
+    async def post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the InferenceService (kopf's poster drops Normal events below its posting level)."""
+        meta = body["metadata"]
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                 "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta["name"],
+                                    "namespace": meta["namespace"], "uid": meta["uid"]},
+                 "type": type_, "reason": reason, "message": message[:1024], "firstTimestamp": now,
+                 "lastTimestamp": now, "count": 1, "source": {"component": names.FIELD_MANAGER},
+                 "reportingComponent": names.FIELD_MANAGER}
+        await self.request("POST", object_path("Event", meta["namespace"]), body=event)
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
         """Merge-patch the status subresource; False when the InferenceService is gone (deleted meanwhile)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from pdserve.operator.names import DEFAULT_IMAGE
@@ -115,7 +115,59 @@ class KVTransferSpec(_Model):
     disk: DiskSpec | None = None
 
 
+class RoleAutoscaling(_Model):
+    """Autoscaling of one pool: sized so that the worst observed/target ratio over the window is about 1."""
+
+    # Targets are per replica; latency targets only count windows that had requests (see autoscale_policy.py).
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+        ("has(self.ttftP90Seconds) || has(self.itlP90Seconds) || has(self.kvCacheUsage) || has(self.queueDepth)"
+         " || has(self.promptTokensPerSecond)", "autoscaling needs at least one target")))
+    min_replicas: int = Field(1, ge=1, le=10000, description="At least 1: a pool with no pod has no metrics to "
+                              "scale up from (scale a pool to 0 by hand, without autoscaling).")
+    max_replicas: int = Field(ge=1, le=10000)
+    ttft_p90_seconds: float | None = Field(None, gt=0, description="Time-to-first-token p90 target (prefill).")
+    itl_p90_seconds: float | None = Field(None, gt=0, description="Inter-token latency p90 target (decode).")
+    kv_cache_usage: float | None = Field(None, gt=0, le=1, description="Mean KV-cache usage target, 0-1 (decode).")
+    queue_depth: float | None = Field(None, gt=0, description="Mean waiting requests per pod.")
+    prompt_tokens_per_second: float | None = Field(
+        None, gt=0, description="Uncached prompt tokens per second one replica handles (prefix-cache hits and "
+        "prompts the router keeps on decode do not count).")
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="Scale up to the lowest recommendation "
+                                                "of this window (0: at once).")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="Scale down only to the highest "
+                                                  "recommendation of this window.")
+    scale_up_step: int = Field(4, ge=1, le=1000, description="Most replicas added per decision.")
+    scale_down_step: int = Field(1, ge=1, le=1000, description="Most replicas removed per decision.")
+    tolerance: float = Field(0.1, ge=0, lt=1, description="No change while every ratio is within 1 +- tolerance.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RoleAutoscaling:  # the same rules as the CEL above, for specs that bypassed the schema
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be <= maxReplicas")
+        if not any((self.ttft_p90_seconds, self.itl_p90_seconds, self.kv_cache_usage, self.queue_depth,
+                    self.prompt_tokens_per_second)):
+            raise ValueError("autoscaling needs at least one target")
+        return self
+
+
+class AutoscalingSpec(_Model):
+    """Per-pool autoscaling by the operator: it writes the replicas of each pool listed here."""
+
+    # decode through the /scale subresource, prefill through spec.prefill.replicas (a CRD has one /scale)
+
+    prefill: RoleAutoscaling | None = None
+    decode: RoleAutoscaling | None = Field(None, description="The decode pool (the only pool when monolithic).")
+    interval_seconds: int = Field(15, ge=1, le=3600, description="Period of the scrape-and-decide loop.")
+    window_seconds: int = Field(60, ge=1, le=3600, description="Metrics window: histogram and counter deltas over "
+                                "the last this many seconds (not lifetime averages).")
+
+
 class InferenceServiceSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("!has(self.autoscaling) || !has(self.autoscaling.prefill) || has(self.prefill)",
+         "autoscaling.prefill requires spec.prefill")))
     model: ModelSpec
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, json_schema_extra=_DEFAULT_EMPTY)
     prefill: PoolSpec | None = Field(None, description="Omit for one pool of `both` pods (no disaggregation).")
@@ -123,6 +175,13 @@ class InferenceServiceSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec,
                                         json_schema_extra={"default": {"connector": "nixl"}})  # CEL checks defaults
+    autoscaling: AutoscalingSpec | None = None
+
+    @model_validator(mode="after")
+    def _autoscaled_pools_exist(self) -> InferenceServiceSpec:
+        if self.autoscaling and self.autoscaling.prefill and self.prefill is None:
+            raise ValueError("autoscaling.prefill requires spec.prefill")
+        return self
 
 
 class Condition(_Model):

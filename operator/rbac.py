@@ -19,6 +19,9 @@ NAMESPACED_RULES = [
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["configmaps", "services", "serviceaccounts"], "verbs": CHILD_VERBS},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
+    # the autoscaler writes decode replicas through /scale (it lists pods under ROUTER_RULES' pod reads)
+    {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/scale"], "verbs": ["get", "patch"]},
     # the per-InferenceService KV-transfer token: created once, never read back or updated
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": CHILD_VERBS},

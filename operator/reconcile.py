@@ -18,12 +18,13 @@ import pydantic
 from pdserve.operator import names, pod
 from pdserve.operator.configmap import build_config_map, build_kv_token_secret, config_hash
 from pdserve.operator.models import InferenceServiceSpec
+from pdserve.operator.pdb import build_pdb
 from pdserve.operator.pod import InvalidSpec
 from pdserve.operator.router_objects import build_router_deployment, build_router_rbac
 from pdserve.operator.runtime_deployment import build_runtime_deployment
 from pdserve.operator.services import build_headless_service, build_router_service, endpoint_url
 
-PRUNABLE_KINDS = ("Deployment", "Service")  # kinds whose set of names depends on the spec
+PRUNABLE_KINDS = ("Deployment", "Service", "PodDisruptionBudget")  # kinds whose set of names depends on the spec
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Observed:
 
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pdbs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,7 +62,8 @@ def desired_objects(body: dict[str, Any], spec: InferenceServiceSpec) -> list[di
     roles = ["prefill", "decode"] if spec.prefill is not None else ["both"]
     objects = [cm, *build_router_rbac(name, ns), build_headless_service(name, ns, spec),
                *(build_runtime_deployment(name, ns, spec, role, chash) for role in roles),
-               build_router_deployment(name, ns, spec, chash), build_router_service(name, ns, spec)]
+               build_router_deployment(name, ns, spec, chash), build_router_service(name, ns, spec),
+               *(build_pdb(name, ns, role) for role in [*roles, "router"])]
     owner = pod.owner_reference(body)
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [owner]
@@ -75,7 +78,8 @@ def reconcile(body: dict[str, Any], observed: Observed, now: dt.datetime | None 
     except InvalidSpec as e:  # keep what runs; report, do not touch children
         return Reconciliation([], [], [], invalid_status(body, e, now), e)
     wanted = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    existing = [("Deployment", n) for n in observed.deployments] + [("Service", n) for n in observed.services]
+    existing = ([("Deployment", n) for n in observed.deployments] + [("Service", n) for n in observed.services]
+                + [("PodDisruptionBudget", n) for n in observed.pdbs])
     prune = sorted(k for k in existing if k not in wanted)
     secret = build_kv_token_secret(body["metadata"]["name"], body["metadata"]["namespace"])
     secret["metadata"]["ownerReferences"] = [pod.owner_reference(body)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.operator import names, pod
-from pdserve.operator.configmap import env_from
+from pdserve.operator.configmap import KV_TOKEN_ENV, KV_TOKEN_KEY, env_from
 from pdserve.operator.models import InferenceServiceSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
@@ -41,8 +41,11 @@ def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpe
         "resources": pod.resources(r.resources), "securityContext": container_sc,
         "lifecycle": pod.graceful_termination(), **pod.http_probes("http", STARTUP_SECONDS),
     }
+    # The KV secret signs the router's handoff requests to prefill pods (kv_connectors/kv_auth.py).
+    container["env"] = [{"name": KV_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+        "name": names.kv_token_secret_name(name), "key": KV_TOKEN_KEY}}}]
     if r.api_key_secret_ref:
-        container["env"] = [pod.secret_env(API_KEY_ENV, r.api_key_secret_ref)]
+        container["env"].append(pod.secret_env(API_KEY_ENV, r.api_key_secret_ref))
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy
     pod_spec = {"serviceAccountName": names.router_account_name(name), "containers": [container], "volumes": volumes,

@@ -158,7 +158,7 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
                               "--tokenizer", model_path, *router_targets,
                               *(a for src in event_sources for a in ("--kv-events-source", src)),
                               *(["--api-key", args.api_key] if args.api_key else []), *tracing], args.port,
-                   logs / "router.log")
+                   logs / "router.log", env=pod_env)   # the router signs its prefill handoffs with the same KV secret
     return [*pods, router]
 
 

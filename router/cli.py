@@ -54,6 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="load guard: ignore cache affinity when max - min pod load exceeds this")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="load guard: ... and max load exceeds this multiple of min load")
+    p.add_argument("--trust-client-kv-params", action="store_true",
+                   help="forward clients' kv_transfer_params (only when every client is itself a trusted router; "
+                        "by default they are dropped)")
     p.add_argument("--log-level", default="warning", help="debug|info|warning|error")
     tracing.add_flag(p)
     p.set_defaults(func=run)
@@ -80,7 +83,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         kv_event_sources=sources, max_concurrency=a.max_concurrency, max_body_bytes=a.max_body_bytes,
         request_timeout=a.request_timeout, connect_timeout=a.connect_timeout, health_interval=a.health_interval,
         max_retries=a.max_retries, cb_failure_threshold=a.cb_failure_threshold, cb_open_seconds=a.cb_open_seconds,
-        balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold)
+        balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold,
+        trust_client_kv_params=a.trust_client_kv_params)
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):

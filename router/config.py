@@ -57,3 +57,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5       # ... and relative part
     session_header: str = "x-session-id"
     weights: dict[str, float] = field(default_factory=dict)  # scorer name -> weight override
+    # KV path security (router/pd.py): clients' kv_transfer_params are dropped unless the client is a trusted router;
+    # handoffs to prefill pods are signed with the deployment's KV secret (None: PDSERVE_KV_TOKEN).
+    trust_client_kv_params: bool = False
+    kv_token: str | None = None

@@ -28,7 +28,8 @@ class EndpointSpec:
 
 
 class Endpoint:
-    __slots__ = ("url", "role", "kv_events", "healthy", "breaker", "in_flight", "waiting", "running", "kv_usage")
+    __slots__ = ("url", "role", "kv_events", "healthy", "breaker", "in_flight", "waiting", "running", "kv_usage",
+                 "kv_fingerprint")
 
     def __init__(self, spec: EndpointSpec, breaker: CircuitBreaker):
         self.url = spec.url
@@ -40,6 +41,7 @@ class Endpoint:
         self.waiting = 0.0         # vllm:num_requests_waiting (scraped)
         self.running = 0.0         # vllm:num_requests_running (scraped)
         self.kv_usage = 0.0        # vllm:kv_cache_usage_perc in [0, 1] (scraped)
+        self.kv_fingerprint: str | None = None  # from /health; P/D pairs only equal ones (drain_signal.compatible)
 
     @property
     def routable(self) -> bool:

@@ -11,6 +11,7 @@ import logging
 import aiohttp
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.drain_signal import fingerprint_from_health
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import PrefixIndex
@@ -70,6 +71,8 @@ class HealthMonitor:
         try:
             async with self.session.get(ep.url + "/health") as r:
                 healthy = r.status == 200
+                if healthy:
+                    ep.kv_fingerprint = fingerprint_from_health(await r.content.read(4096))
             if healthy:
                 async with self.session.get(ep.url + "/metrics") as r:
                     if r.status == 200:

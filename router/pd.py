@@ -5,6 +5,11 @@
 2. The prefill pod's JSON answer carries top-level ``kv_transfer_params`` (remote block ids, engine id, host, port).
 3. Decode: the original body (stream setting and limits as the client sent them) with those params copied verbatim.
 
+Security (kv_connectors/kv_auth.py): the prefill request carries ``X-PDServe-KV-Handoff``, an HMAC of its exact body
+under the deployment's KV secret, without which prefill pods refuse to hold blocks (403); the params the prefill
+returns are signed by it, and decode pods ignore any they cannot verify. ``client_body`` drops ``kv_transfer_params``
+a client sent (unless ``--trust-client-kv-params``), so no client can name the address a decode pod reads KV from.
+
 ``run_prefill`` tries up to ``attempts`` distinct prefill pods; a prefill pod that errors, times out, or answers
 200 without ``kv_transfer_params`` counts as a failed attempt (and a circuit-breaker failure). A client error (4xx
 other than 408/429) is the request's fault, not the pod's: it is returned to the caller to relay as is.
@@ -15,12 +20,28 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from pdserve.kv_connectors import kv_auth
+from pdserve.router.config import RouterConfig
 from pdserve.router.endpoints import Endpoint
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.upstream import RETRYABLE_STATUS, Upstream, UpstreamFailure
+from pdserve.runtime import envs
 
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def client_body(body: dict[str, Any], raw: bytes, trusted: bool) -> tuple[dict[str, Any], bytes]:
+    """(body, raw bytes) without a client's ``kv_transfer_params``, unless the client is trusted (another router)."""
+    if trusted or "kv_transfer_params" not in body:
+        return body, raw
+    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    return body, json.dumps(body).encode()
+
+
+def kv_secret(cfg: RouterConfig) -> bytes | None:
+    token = cfg.kv_token or envs.kv_transfer_token()
+    return token.encode() if token else None
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +72,11 @@ class PrefillResult:
 
 
 async def run_prefill(upstream: Upstream, metrics: RouterMetrics, pick: Callable[[set[str]], Endpoint | None],
-                      path: str, body: dict[str, Any], headers: dict[str, str], attempts: int) -> PrefillResult:
+                      path: str, body: dict[str, Any], headers: dict[str, str], attempts: int,
+                      kv_secret: bytes | None = None) -> PrefillResult:
     payload = json.dumps(prefill_body(body)).encode()
+    if kv_secret is not None:   # proves to the prefill pod that this handoff comes from the deployment's router
+        headers = {**headers, kv_auth.HANDOFF_HEADER: kv_auth.handoff_header(kv_secret, payload)}
     tried: set[str] = set()
     error = "no prefill pod available"
     for i in range(attempts):

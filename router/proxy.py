@@ -19,10 +19,11 @@ from typing import Any, Callable
 
 from pdserve import tracing
 from pdserve.router.config import RouterConfig
+from pdserve.router.drain_signal import compatible
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.framework import Profile, RequestContext
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pd import decode_body, run_prefill
+from pdserve.router.pd import client_body, decode_body, kv_secret, run_prefill
 from pdserve.router.policies import build_profile, needs_tokens
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prompt import PromptTokenizer, block_hashes, estimate_tokens
@@ -83,6 +84,7 @@ class Router:
                        send: Send) -> str:
         """Handle one completion/chat request; returns the outcome label for metrics."""
         cfg, m = self.cfg, self.metrics
+        body, raw = client_body(body, raw, cfg.trust_client_kv_params)
         ctx = self.context(path, body, headers, request_id)
         decision = self.decode_profile.schedule(ctx, self.pool.decoders)
         if decision is None:
@@ -100,7 +102,8 @@ class Router:
 
         if self.pool.prefillers:
             uncached = ctx.num_prompt_tokens - int(ctx.matched_blocks.get(decode_ep.url, 0)) * cfg.block_size
-            can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url)
+            can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url
+                           and compatible(p, decode_ep))  # same KV fingerprint, else decode-only
             tracing.annotate(pdserve__pd__uncached_tokens=uncached)
             if uncached <= cfg.pd_threshold:
                 m.child(m.pd_decisions, "local_short").inc()
@@ -109,7 +112,7 @@ class Router:
             else:
                 m.child(m.pd_decisions, "disaggregated").inc()
                 pick = self.picker(self.prefill_profile, ctx, lambda: self.pool.prefillers, "prefill", can_prefill)
-                res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts)
+                res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts, kv_secret(cfg))
                 tracing.annotate(pdserve__prefill__served_by=res.endpoint and res.endpoint.url,
                                  pdserve__prefill__error=res.error or None)
                 if res.client_error is not None:

@@ -16,6 +16,7 @@ from typing import Callable
 
 from pdserve import tracing
 from pdserve.router.config import RouterConfig
+from pdserve.router.drain_signal import note_response
 from pdserve.router.endpoints import Endpoint
 from pdserve.router.http_client import Pool, Response
 from pdserve.router.metrics import RouterMetrics
@@ -100,6 +101,7 @@ class Upstream:
                 last = f"{ep.url}: {kind} error: {e or type(e).__name__}"
                 continue
             self.metrics.child(self.metrics.ttfb, role).observe(time.perf_counter() - started)
+            note_response(ep, resp.status, resp.headers)  # a draining pod leaves the next pick at once
             if resp.status >= 500:
                 ep.breaker.record_failure()
             else:

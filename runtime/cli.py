@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 from pdserve import tracing
@@ -118,6 +119,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="connector moving KV between prefill and decode pods")
     k.add_argument("--kv-connector-config", type=_json_object, default=None,
                    help="connector-specific settings as a JSON object")
+    k.add_argument("--kv-insecure", action="store_true",
+                   help="run the KV connector without the deployment's shared secret (PDSERVE_KV_TOKEN): params are "
+                        "then neither signed nor checked, so anyone reaching the pod can read or poison its KV")
     k.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="when remote KV fails to load: recompute it locally, or fail the request")
     k.add_argument("--kv-events-port", type=_port, default=0,
@@ -144,8 +148,34 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         kv_load_failure_policy=args.kv_load_failure_policy)
 
 
+def check_kv_secret(args: argparse.Namespace) -> str | None:
+    """Before loading anything: an error message when a KV connector has no secret and --kv-insecure was not given."""
+    from pdserve.kv_connectors import kv_auth
+
+    if not args.kv_connector:
+        return None
+    config = dict(args.kv_connector_config or {})
+    if args.kv_insecure:
+        args.kv_connector_config = {**config, "insecure": True}
+        if kv_auth.resolve_secret(config) is None:
+            logging.getLogger("pdserve.kv_connectors").warning(
+                "!!! --kv-insecure: the %s KV connector runs WITHOUT authentication: any client can make this pod "
+                "read KV from an address it names and pin or read its KV blocks. Use only on a trusted network. !!!",
+                args.kv_connector)
+        return None
+    try:
+        kv_auth.require_secret(args.kv_connector, config)
+    except kv_auth.MissingSecret as e:
+        return str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    error = check_kv_secret(args)
+    if error:
+        print(f"pdserve serve: error: {error}", file=sys.stderr)
+        return 2
     from pdserve.runtime.server import run_server
 
     tracing.configure(args.otlp_traces_endpoint, f"pdserve-{args.role}")

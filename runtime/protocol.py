@@ -19,7 +19,7 @@ MAX_N = 16  # completions per request (the engine fans them out sharing the prom
 class ApiError(Exception):
     """An error answered to the client as OpenAI-shaped JSON with ``status``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
              405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,

@@ -29,6 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__, tracing
+from pdserve.kv_connectors import kv_auth
+from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import envs
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -68,6 +70,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
     metrics = ServerMetrics(engine.served_model_name)
     state = _State(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
     builder = ResponseBuilder(engine)
+    kv_fingerprint = drain_mod.fingerprint(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +96,8 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
         if state.draining:
             metrics.rejected("draining")
-            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S})
+            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
+                                                                    drain_mod.DRAIN_HEADER: "1"})
         if state.async_engine.dead is not None:
             raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
 
@@ -104,8 +108,8 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         if state.async_engine.dead is not None:
             return JSONResponse({"status": "engine dead"}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "role": options.role})
+            return JSONResponse({"status": "draining"}, status_code=503, headers={drain_mod.DRAIN_HEADER: "1"})
+        return JSONResponse({"status": "ok", "role": options.role, "kv_fingerprint": kv_fingerprint})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -172,7 +176,7 @@ async def drain(app: FastAPI, grace_period_s: float) -> int:
     state.draining = True
     ae = state.async_engine
     deadline = time.monotonic() + grace_period_s
-    while ae.num_inflight and time.monotonic() < deadline:
+    while drain_mod.busy(state.engine, ae) and time.monotonic() < deadline:  # also leased KV (see runtime/drain.py)
         await asyncio.sleep(0.05)
     aborted = ae.abort_all()
     if aborted:
@@ -194,8 +198,9 @@ async def _json(request: Request) -> Any:
         raw += part
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body must be at most {MAX_BODY_BYTES} bytes")
+    request.state.raw_body = data = bytes(raw)   # the KV handoff check MACs the exact bytes
     try:
-        return json.loads(bytes(raw))
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
@@ -258,6 +263,7 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
         metrics.rejected("queue_full")
         raise ApiError(503, f"server overloaded: {ae.num_unstarted} requests waiting (limit {max_waiting})",
                        headers={"Retry-After": RETRY_AFTER_S})
+    _check_kv_handoff(request, state, req.kv_transfer_params)
     base_id, rid = _request_id(request, state, req.request_id)
     arrival = time.monotonic()
     try:
@@ -284,6 +290,19 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
                        code="engine_error", headers={"Retry-After": RETRY_AFTER_S})
     body = builder.full(kind, req, resp_id, prompt_ids, final)
     return JSONResponse(body, headers=headers)
+
+
+def _check_kv_handoff(request: Request, state: _State, params: Any) -> None:
+    """403 unless a request asking this pod to hold its blocks for a remote decode comes from the deployment's router
+    (its KV-secret handoff header) or carries the pod's API key (checked by ``guard``); see kv_connectors/kv_auth."""
+    conn = getattr(state.engine, "connector", None)
+    if conn is None or not kv_auth.wants_handoff(params):
+        return
+    denial = kv_auth.handoff_denial(getattr(conn, "secret", None), request.headers.get(kv_auth.HANDOFF_HEADER),
+                                    getattr(request.state, "raw_body", b""), api_key_ok=bool(state.options.api_key))
+    if denial:
+        conn.stats.add("kv_handoffs_rejected")
+        raise ApiError(403, denial, param="kv_transfer_params", code="kv_handoff_unauthorized")
 
 
 async def _await_final(request: Request, state: _State, stream: RequestStream,

@@ -8,5 +8,9 @@ import os
 
 import torch
 
+# The test deployment's shared KV secret (kv_connectors/kv_auth.py): every connector, pod and router started by a test
+# inherits it, as the pods of one real deployment do. Tests of the missing-secret path remove it explicitly.
+os.environ.setdefault("PDSERVE_KV_TOKEN", "pdserve-test-kv-secret")
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,16 @@ class Req:
 
     def __post_init__(self) -> None:
         self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK, self.cache_salt)
+
+
+def resign(params: dict, secret: str | bytes | None = None, ttl_s: float = 60.0) -> dict:
+    """``params`` (edited by a test to stage a fault) signed again with the deployment's secret, as a real prefill with
+    those properties would have signed them: the fault then reaches the load path instead of the signature check."""
+    from pdserve.kv_connectors import kv_auth
+
+    secret = secret if secret is not None else os.environ["PDSERVE_KV_TOKEN"]
+    body = {k: v for k, v in params.items() if k not in (kv_auth.SIGNATURE_FIELD, kv_auth.EXPIRES_FIELD)}
+    return kv_auth.sign_params(body, secret.encode() if isinstance(secret, str) else secret, ttl_s)
 
 
 def make_cache(num_blocks: int = 32, spec: KVCacheSpec = SPEC, fill: bool = False) -> torch.Tensor:

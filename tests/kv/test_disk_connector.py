@@ -10,7 +10,7 @@ import torch
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import create_connector
 from pdserve.kv_connectors.disk_connector import DiskStore
-from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 2))   # 5 full blocks + 2 tokens
 
@@ -87,7 +87,7 @@ def test_damaged_block_reported_as_load_error(tmp_path, fault, kind):
 def test_fingerprint_mismatch_fails_every_block(tmp_path):
     p, d = _pair(tmp_path)
     params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
-    res = load(d, Req("r", PROMPT, {**params, "fingerprint": "0" * 32}), [10, 11, 12, 13, 14, 15])
+    res = load(d, Req("r", PROMPT, resign({**params, "fingerprint": "0" * 32})), [10, 11, 12, 13, 14, 15])
     assert res.bad_blocks == {10, 11, 12, 13, 14}
     assert d.metrics()["kv_load_failures{kind=fingerprint}"] == 1
 

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.kv_connectors import side_channel
 from pdserve.kv_connectors.base import KVCacheSpec, create_connector
-from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign
 from tests.support.server import free_port
 
 pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
@@ -77,7 +77,7 @@ def test_fingerprint_mismatch_rejected_before_transfer(prefill_conn):
     d = create_connector("nixl", "decode", {"token": TOKEN}, other)
     d.register_kv_caches(make_cache(spec=other))
     params = _handoff(prefill_conn)
-    res = load(d, Req("r", PROMPT, {**params, "fingerprint": other.fingerprint()}), DST)   # a forged param
+    res = load(d, Req("r", PROMPT, resign({**params, "fingerprint": other.fingerprint()}, TOKEN)), DST)
     assert res.bad_blocks == set(DST[:5]) and not d.kv_cache.any()
     m = d.metrics()
     assert m["kv_load_failures{kind=fingerprint}"] == 1 and m.get("kv_peer_handshakes", 0) == 0
@@ -92,9 +92,10 @@ def test_unreachable_peer_errors_within_timeout(decode):
         params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_engine_id": "x", "lease_id": "l",
                   "remote_block_ids": SRC[:5], "fingerprint": SPEC.fingerprint(),
                   "block_hashes": [h.hex() for h in Req("u", PROMPT).block_hashes]}
-        res = load(decode, Req("u", PROMPT, {**params, "remote_port": blackhole.getsockname()[1]}), DST, timeout=30)
+        res = load(decode, Req("u", PROMPT, resign({**params, "remote_port": blackhole.getsockname()[1]}, TOKEN)), DST,
+                   timeout=30)
         assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=timeout}") == 1
-    res = load(decode, Req("u2", PROMPT, {**params, "remote_port": free_port()}), DST, timeout=30)
+    res = load(decode, Req("u2", PROMPT, resign({**params, "remote_port": free_port()}, TOKEN)), DST, timeout=30)
     assert res.bad_blocks == set(DST[:5]) and _delta(decode, before, "kv_load_failures{kind=peer_unreachable}") == 1
 
 
@@ -103,11 +104,14 @@ def test_wrong_token_rejected(prefill_conn):
         side_channel.call("127.0.0.1", prefill_conn.port, b"wrong", "meta")
     d = create_connector("nixl", "decode", {"token": "wrong"}, SPEC)
     d.register_kv_caches(make_cache())
-    res = load(d, Req("r", PROMPT, _handoff(prefill_conn)), DST)
+    params = _handoff(prefill_conn)
+    res = load(d, Req("r", PROMPT, params), DST)      # params signed with another secret: ignored, nothing dialled
+    assert res.num_tokens == 0 and not d.kv_cache.any() and d.metrics()["kv_params_rejected{reason=bad_signature}"] == 1
+    res = load(d, Req("r2", PROMPT, resign(params, "wrong")), DST)   # ... and a side channel with another secret
     assert res.bad_blocks == set(DST[:5]) and not d.kv_cache.any()
     assert prefill_conn.metrics()["kv_side_channel_auth_failures"] == 2
-    assert side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "heartbeat", {"lease_id": "x"}) == \
-        {"alive": False}
+    assert side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "heartbeat", {"lease_id": "x"},
+                             server_engine_id=prefill_conn.engine_id) == {"alive": False}
     d.shutdown()
 
 
@@ -206,7 +210,8 @@ def test_side_channel_survives_garbage_and_binds_only_its_address(prefill_conn):
                 s.recv(4096)
             except OSError:
                 pass
-    meta = side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "meta")
+    meta = side_channel.call("127.0.0.1", prefill_conn.port, TOKEN.encode(), "meta",
+                             server_engine_id=prefill_conn.engine_id)
     assert meta["engine_id"] == prefill_conn.engine_id and meta["fingerprint"] == SPEC.fingerprint()
 
 
@@ -220,9 +225,14 @@ def test_forged_params_cannot_read_or_cache_other_blocks(prefill_conn, decode):
     forged_ids = {**params, "remote_block_ids": [1, 3, 5, 7, 9]}
     no_lease = {k: v for k, v in params.items() if k != "lease_id"}
     before = decode.metrics()
-    assert load(decode, Req("f1", other, forged_hashes), DST).bad_blocks == set(DST[:5])
-    assert load(decode, Req("f2", PROMPT, forged_ids), DST).bad_blocks == set(DST[:5])
-    assert load(decode, Req("f3", PROMPT, no_lease), DST).num_tokens == 0          # no lease: computed locally
+    for rid, prompt, forged in (("f1", other, forged_hashes), ("f2", PROMPT, forged_ids), ("f3", PROMPT, no_lease)):
+        assert load(decode, Req(rid, prompt, forged), DST).num_tokens == 0          # the signature no longer matches
+    assert _delta(decode, before, "kv_params_rejected{reason=bad_signature}") == 3
+    assert _delta(decode, before, "kv_peer_handshakes") == 0
+    # Even edits signed with the secret (a compromised prefill) cannot read blocks outside the lease:
+    assert load(decode, Req("f1", other, resign(forged_hashes, TOKEN)), DST).bad_blocks == set(DST[:5])
+    assert load(decode, Req("f2", PROMPT, resign(forged_ids, TOKEN)), DST).bad_blocks == set(DST[:5])
+    assert load(decode, Req("f3", PROMPT, resign(no_lease, TOKEN)), DST).num_tokens == 0   # no lease: computed locally
     assert _delta(decode, before, "kv_load_failures{kind=corrupt}") == 2
     res = load(decode, Req("r", PROMPT, params), DST)                              # the real reader still succeeds
     assert not res.bad_blocks and torch.equal(decode.kv_cache[DST[4]], p.kv_cache[SRC[4]])

@@ -12,6 +12,7 @@ import redis
 
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
+from tests.kv.conftest import resign
 from tests.support.redis import redis_server
 from tests.support.server import free_port
 
@@ -142,10 +143,11 @@ def test_pd_greedy_matches_monolithic(pair, reference):
 def _inject(pair, fault, params, prompts):
     p = dict(params)
     h = p["block_hashes"][1]
+    secret = pair.prefill.engine.connector.secret   # a real prefill with that property signs what it hands over
     if fault == "fingerprint":
-        p["fingerprint"] = "0" * 32
+        p = resign({**p, "fingerprint": "0" * 32}, secret)
     elif fault == "unreachable":
-        p["remote_port"] = free_port()
+        p = resign({**p, "remote_port": free_port()}, secret)
     elif fault == "kill_redis":
         pair.server.kill()
     elif pair.name == "disk":
@@ -214,7 +216,8 @@ def test_fail_policy_ends_with_a_clean_error(pair, reference):
     sched = pair.decode.engine.scheduler
     sched.load_failure_policy = "fail"      # the policy is an engine option; flipped here to reuse the loaded model
     try:
-        out = pair.decode_run(prompt, {"fail_policy": {**params, "fingerprint": "0" * 32}})["fail_policy"]
+        forged = resign({**params, "fingerprint": "0" * 32}, pair.prefill.engine.connector.secret)
+        out = pair.decode_run(prompt, {"fail_policy": forged})["fail_policy"]
     finally:
         sched.load_failure_policy = "recompute"
     assert out.finished and out.outputs[0].finish_reason == "error" and out.error and "KV load failed" in out.error
@@ -239,9 +242,13 @@ def test_prefill_server_killed_after_answering(pair, reference):
     cfg = json.dumps({"token": "pd-secret", "port": free_port()})
     with launch_server("--role", "prefill", "--kv-connector", "nixl", "--kv-connector-config", cfg,
                        "--num-gpu-blocks", str(BLOCKS)) as server:
-        body = {"model": "ignored", "prompt": toks, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-        r = httpx.post(f"{server.url}/v1/completions", json={**body, "model": _model_name(server)}, timeout=120)
+        from pdserve.kv_connectors import kv_auth
+
+        body = json.dumps({"model": _model_name(server), "prompt": toks, "max_tokens": 1, "temperature": 0,
+                           "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}).encode()
+        headers = {"content-type": "application/json",   # as the router asks: a handoff signed with the KV secret
+                   kv_auth.HANDOFF_HEADER: kv_auth.handoff_header(b"pd-secret", body)}
+        r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
         params = r.json()["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["remote_port"] and len(params["remote_block_ids"]) == len(toks) // 16

@@ -7,7 +7,7 @@ import redis
 import torch
 
 from pdserve.kv_connectors.base import create_connector
-from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign
 from tests.support.redis import redis_server
 
 PROMPT = list(range(50, 50 + 6 * BLOCK + 1))   # 6 full blocks + 1 token
@@ -117,8 +117,8 @@ def test_unresponsive_redis_times_out_cleanly():
         d = create_connector("redis", "decode", {"url": url, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5}, SPEC)
         d.register_kv_caches(make_cache())
         req = Req("r", PROMPT)
-        params = {"do_remote_prefill": True, "fingerprint": SPEC.fingerprint(),
-                  "block_hashes": [h.hex() for h in req.block_hashes]}
+        params = resign({"do_remote_prefill": True, "fingerprint": SPEC.fingerprint(),
+                         "block_hashes": [h.hex() for h in req.block_hashes]})
         res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16], timeout=20)
         assert res.bad_blocks == set(range(10, 16)) and d.metrics()["kv_load_failures{kind=timeout}"] == 1
         assert load(d, Req("x", PROMPT), [1, 2, 3, 4, 5, 6, 7], timeout=20).num_tokens == 0

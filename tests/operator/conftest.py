@@ -50,6 +50,7 @@ class OperatorProcess:
     proc: subprocess.Popen
     log: Path
     liveness: str
+    metrics: str  # the operator's own /metrics
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -62,12 +63,14 @@ def operator(cluster: Cluster, chart_release: str, tmp_path_factory) -> Operator
     d = tmp_path_factory.mktemp("operator")
     kubeconfig = write_kubeconfig(d / "kubeconfig", cluster.server, cluster.workdir / "ca.crt", token)
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    metrics_port = free_port()
     log = d / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "operator", "--resync-seconds", str(RESYNC_SECONDS),
-                             "--liveness", liveness, "--log-format", "json"], cwd=d, env=env,
+                             "--liveness", liveness, "--log-format", "json", "--autoscale-tick-seconds", "0.5",
+                             "--metrics", f"127.0.0.1:{metrics_port}"], cwd=d, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    handle = OperatorProcess(proc, log, liveness)
+    handle = OperatorProcess(proc, log, liveness, f"http://127.0.0.1:{metrics_port}/metrics")
     try:
         def alive() -> bool:
             if proc.poll() is not None:

@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "k8s-test-bins.sh"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
 KWOK_NODE = "kwok-node-0"
+# kwok gives pods IPs from this range; it is loopback so that a test can serve a pod's port itself (the autoscaler
+# test binds <podIP>:8000 with a metrics server it controls). 127.0.0.0/8 is all routed to `lo` on Linux.
+POD_CIDR = "127.77.0.1/16"
 # Debian's etcd 3.4 lacks RequestWatchProgress, so the API server answers streaming watch-lists with an error watch;
 # clients that use them by default would then only see changes on periodic re-lists (tens of seconds late).
 NO_WATCH_LIST = ["--feature-gates", "WatchListClient=false"]
@@ -125,7 +128,7 @@ class Cluster:
             "--leader-elect=false", "--profiling=false", "--v", "1", *NO_WATCH_LIST])
         self._spawn("kwok", [
             str(self.bins / "kwok"), "--kubeconfig", kc, "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake", "--cidr", "10.244.0.1/16",
+            "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake", "--cidr", POD_CIDR,
             "--node-ip", "10.0.0.10", "--server-address", f"127.0.0.1:{free_port()}"])
         self._wait(lambda: self.http.get("/api/v1/namespaces/default/serviceaccounts/default").status_code == 200,
                    90, "default ServiceAccount (controller-manager running)")

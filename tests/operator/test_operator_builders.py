@@ -49,7 +49,8 @@ def test_monolithic_objects_and_exact_serve_args():
     assert r.error is None and r.prune == []
     assert [(o["kind"], o["metadata"]["name"]) for o in r.objects] == [
         ("ConfigMap", "m-config"), ("ServiceAccount", "m-router"), ("Role", "m-router"), ("RoleBinding", "m-router"),
-        ("Service", "m-pods"), ("Deployment", "m-decode"), ("Deployment", "m-router"), ("Service", "m")]
+        ("Service", "m-pods"), ("Deployment", "m-decode"), ("Deployment", "m-router"), ("Service", "m"),
+        ("PodDisruptionBudget", "m-decode"), ("PodDisruptionBudget", "m-router")]
     assert [(o["kind"], o["metadata"]["name"]) for o in r.create_only] == [("Secret", "m-kv-token")]
     dep = by_name(r, "Deployment", "m-decode")
     assert dep["spec"]["replicas"] == 1
@@ -87,7 +88,7 @@ def test_disaggregated_pools_nixl_and_probes():
         assert args[args.index("--role") + 1] == role
         assert args[args.index("--kv-connector") + 1] == "nixl"
         # the kubelet expands $(POD_IP) (defined first in env) when it starts the container
-        assert kv_config(dep) == {"host": "0.0.0.0", "port": 5600, "advertise_host": "$(POD_IP)"}
+        assert kv_config(dep) == {"host": "$(POD_IP)", "port": 5600, "advertise_host": "$(POD_IP)"}
         assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         assert {"name": "nixl", "containerPort": 5600} in c["ports"]
         assert c["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
@@ -122,7 +123,9 @@ def test_router_deployment_rbac_and_service():
         "--namespace", "ns", "--role-label", "pdserve.dev/role", "--policy", "least-loaded", "--pd-threshold", "64",
         "--block-size", "16", "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
         "--api-key", "$(PDSERVE_API_KEY)"]
-    assert env_of(dep) == {"PDSERVE_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}}}
+    assert env_of(dep) == {"PDSERVE_API_KEY": {"secretKeyRef": {"name": "k", "key": "key"}},
+                           # the KV secret signs the router's handoffs to prefill pods
+                           "PDSERVE_KV_TOKEN": {"secretKeyRef": {"name": "m-kv-token", "key": "token"}}}
     assert container(dep)["envFrom"] == [{"configMapRef": {"name": "m-config"}}]
     role = by_name(r, "Role", "m-router")
     assert role["rules"] == [

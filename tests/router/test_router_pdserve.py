@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -56,6 +57,7 @@ def cluster(tmp_path_factory):
             stack.push(cms[n].__exit__)
         for n, h in handles.items():
             h.kv_source = KVEventSource(f"tcp://127.0.0.1:{ports[n][0]}", f"tcp://127.0.0.1:{ports[n][1]}")
+        handles["P"].launch_args = common + ["--role", "prefill", "--kv-connector", "disk", "--kv-connector-config", conn]
         yield handles
 
 
@@ -164,24 +166,31 @@ def metric(url: str, name: str) -> float:
 
 
 def test_vllm_router_pd_interop(cluster):
-    """The Rust vllm-router drives pdserve prefill/decode pods by the same protocol (fresh prompt: no cache hits)."""
+    """The Rust vllm-router drives pdserve prefill/decode pods by the same protocol (fresh prompt: no cache hits).
+
+    The secure setup (README, "Security of the KV path"): prefill pods run with ``--api-key``, which vllm-router sends
+    to the pods as ``Authorization: Bearer $OPENAI_API_KEY``; the pods' signed kv_transfer_params pass through it
+    verbatim and the decode pod verifies them. Without the key the prefill pod refuses the handoff (403)."""
     msgs = [{"role": "user", "content": "Describe, step by step, how a lighthouse keeper prepares for a storm. " * 5}]
     ref = openai.OpenAI(base_url=cluster["M"].url + "/v1", api_key="x", timeout=120).chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=msgs, **GREEDY).choices[0].message.content
-    prefilled = metric(cluster["P"].url, "vllm:request_success_total")
-    failures = metric(cluster["D"].url, "pdserve:kv_load_failures_total")
-    exe = shutil.which("vllm-router") or str(__import__("pathlib").Path(sys.executable).parent / "vllm-router")
-    port = free_port()
-    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
-           cluster["P"].url, "--decode", cluster["D"].url, "--policy", "round_robin", "--log-level", "warning"]
-    with launch_process(cmd, port, timeout=120) as h:
-        c = openai.OpenAI(base_url=h.url + "/v1", api_key="x", timeout=120)
-        chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, **GREEDY)
-        assert chat.choices[0].message.content == ref
-        # P prefilled it and D loaded the KV without failures. (vllm-router rewrites ``usage`` from the prefill's
-        # answer, so cached_tokens in its response is the prefill's 0, not the decode pod's count.)
-        assert metric(cluster["P"].url, "vllm:request_success_total") == prefilled + 1
-        assert metric(cluster["D"].url, "pdserve:kv_load_failures_total") == failures
+    key = "prefill-pods-key"
+    with launch_server(*cluster["P"].launch_args, "--api-key", key) as prefill:
+        failures = metric(cluster["D"].url, "pdserve:kv_load_failures_total")
+        loaded = metric(cluster["D"].url, "pdserve:kv_connector_blocks_loaded_total")
+        exe = shutil.which("vllm-router") or str(__import__("pathlib").Path(sys.executable).parent / "vllm-router")
+        port = free_port()
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
+               prefill.url, "--decode", cluster["D"].url, "--policy", "round_robin", "--log-level", "warning"]
+        with launch_process(cmd, port, timeout=120, env={"OPENAI_API_KEY": key}) as h:
+            c = openai.OpenAI(base_url=h.url + "/v1", api_key="x", timeout=120)
+            chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, **GREEDY)
+            assert chat.choices[0].message.content == ref
+            # The prefill pod prefilled it and D loaded its KV without failures. (vllm-router rewrites ``usage`` from
+            # the prefill's answer, so cached_tokens in its response is the prefill's 0, not the decode pod's count.)
+            assert metric(prefill.url, "vllm:request_success_total") == 1
+            assert metric(cluster["D"].url, "pdserve:kv_load_failures_total") == failures
+            assert metric(cluster["D"].url, "pdserve:kv_connector_blocks_loaded_total") > loaded
 
 
 def test_decode_kv_load_failure_still_answers_correctly(cluster, reference, make_router, tokenizer):
@@ -192,10 +201,13 @@ def test_decode_kv_load_failure_still_answers_correctly(cluster, reference, make
 
     D = cluster["D"]
     ids = tokenizer.token_ids("/v1/chat/completions", {"messages": MESSAGES})
+    from pdserve.kv_connectors import kv_auth
+
     lost = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone", "tp_size": 1,
             "remote_block_ids": list(range(len(ids) // 16)), "remote_request_id": "x", "remote_host": None,
             "remote_port": None, "connector": "disk",
             "block_hashes": [h.hex() for h in block_hashes(ids, 16, "lost-blocks")]}
+    lost = kv_auth.sign_params(lost, os.environ["PDSERVE_KV_TOKEN"].encode(), 600)   # a prefill of this deployment
     # salted hashes never exist in the store; send the same salt so the decode pod's own hashes match them
     with ServerThread(FakePod(FakeState(name="lossy", kv_params_value=lost))) as fake:
         app, r = make_router(RouterConfig(prefill=(fake.url,), decode=(D.url,), pd_threshold=32, request_timeout=120),
