@@ -14,7 +14,7 @@ ARG BASE_IMAGE=python:3.12-slim-bookworm
 
 FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=operator
+ARG EXTRAS=operator,tracing
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 # Bases without Python (CUDA images) get the distribution's python3 + venv.
 RUN if ! command -v python3 >/dev/null; then \

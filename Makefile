@@ -32,10 +32,11 @@ install: $(VENV)/.installed
 install-up: $(VENV)/.installed-up
 install-test: $(VENV)/.installed-test
 
-# Real services the tests start themselves: redis-server (KV connector) and etcd (behind kube-apiserver).
+# Real services the tests start themselves: redis-server (KV connector), etcd (behind kube-apiserver) and prometheus
+# (scrapes a running stack to evaluate the chart's dashboards and alerts; its promtool checks the rules).
 system-deps:
-	@command -v redis-server >/dev/null && command -v etcd >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server; }
+	@command -v redis-server >/dev/null && command -v etcd >/dev/null && command -v prometheus >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server prometheus; }
 
 k8s-bins:
 	bash scripts/k8s-test-bins.sh

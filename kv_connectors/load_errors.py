@@ -60,7 +60,8 @@ class ConnectorStats:
     """Thread-safe counters, exported through ``KVConnectorBase.metrics()``.
 
     Names: ``kv_load_failures{kind=...}`` (one per failed request load), ``kv_blocks_loaded``, ``kv_blocks_saved``,
-    ``kv_bytes_loaded``, ``kv_bytes_saved``, ``kv_blocks_load_failed``, ``kv_saves_skipped`` and connector extras.
+    ``kv_bytes_loaded``, ``kv_bytes_saved``, ``kv_blocks_load_failed``, ``kv_saves_skipped``, ``kv_loads`` and
+    ``kv_load_seconds`` (loads ended and their summed wall time: the mean transfer time) and connector extras.
     """
 
     def __init__(self, name: str) -> None:
@@ -68,7 +69,7 @@ class ConnectorStats:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter({f"kv_load_failures{{kind={k}}}": 0 for k in FAILURE_KINDS})
         for key in ("kv_blocks_loaded", "kv_bytes_loaded", "kv_blocks_load_failed", "kv_blocks_saved",
-                    "kv_bytes_saved", "kv_saves_skipped"):
+                    "kv_bytes_saved", "kv_saves_skipped", "kv_loads", "kv_load_seconds"):
             self._counts[key] = 0
 
     def add(self, key: str, value: float = 1) -> None:

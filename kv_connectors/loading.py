@@ -38,6 +38,8 @@ class LoadJob:
     is_async: bool
     deadline: float = 0.0
     cancelled: bool = False
+    started: float = 0.0                        # wall clock, when the load was started
+    record: dict[str, Any] | None = None        # the request's ``kv_transfer`` dict, filled when the load ends
 
 
 class LoadingConnector(KVConnectorBase):
@@ -137,7 +139,8 @@ class LoadingConnector(KVConnectorBase):
         start, hashes, params = claim
         n = min(len(hashes), num_external_tokens // self.spec.block_size)
         blocks = [(start + i, block_ids[start + i], hashes[i]) for i in range(n)]
-        self._allocated[request.request_id] = LoadJob(request.request_id, blocks, params, self.async_load)
+        self._allocated[request.request_id] = LoadJob(request.request_id, blocks, params, self.async_load,
+                                                      record=getattr(request, "kv_transfer", None))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads={rid: [(i, b) for i, b, _ in job.blocks] for rid, job in self._allocated.items()})
@@ -167,6 +170,7 @@ class LoadingConnector(KVConnectorBase):
             job = self._scheduled.pop(rid, None)
             if job is None:
                 continue
+            job.started = time.time()
             if job.is_async:
                 job.deadline = time.monotonic() + self._watchdog_s()
                 with self._lock:
@@ -205,6 +209,13 @@ class LoadingConnector(KVConnectorBase):
         ok = len(job.blocks) - len(errors)
         self.stats.add("kv_blocks_loaded", ok)
         self.stats.add("kv_bytes_loaded", ok * self.spec.block_bytes)
+        end = time.time()
+        self.stats.add("kv_loads")
+        self.stats.add("kv_load_seconds", end - job.started)
+        if job.record is not None:   # read by tracing when the request finishes (pdserve.tracing)
+            job.record.update(connector=self.name, start=job.started, end=end, blocks=len(job.blocks),
+                              bytes=ok * self.spec.block_bytes, failed_blocks=len(errors),
+                              errors=sorted(by_kind), verified=bool(getattr(self, "verify_checksums", False)))
 
     def _write_block(self, job: LoadJob, block_id: int, payload: memoryview) -> None:
         """Copy a verified block's bytes into the cache unless the job was cancelled (its blocks may belong to others

@@ -20,6 +20,7 @@ from typing import Any
 from pdserve.operator import names
 from pdserve.operator.models import InferenceServiceSpec
 from pdserve.operator.pod import object_meta
+from pdserve.runtime import envs
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 POD_IP_ENV = "POD_IP"
@@ -42,8 +43,13 @@ def kv_connector_config(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 def shared_env() -> dict[str, str]:
     """PDSERVE_* variables every process of one InferenceService must agree on (see runtime/envs.py)."""
-    return {"PDSERVE_HASH_SEED": "pdserve", "PDSERVE_CACHE_DIR": f"{names.CACHE_MOUNT}/pdserve",
-            "PDSERVE_LOG_LEVEL": "INFO"}
+    env = {"PDSERVE_HASH_SEED": "pdserve", "PDSERVE_CACHE_DIR": f"{names.CACHE_MOUNT}/pdserve",
+           "PDSERVE_LOG_LEVEL": "INFO"}
+    # Tracing (pdserve/tracing.py), when the operator was told where the collector is (chart value tracing.*).
+    if envs.pod_otlp_traces_endpoint():
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = envs.pod_otlp_traces_endpoint()
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = envs.pod_otlp_traces_protocol() or "http/protobuf"
+    return env
 
 
 def config_hash(data: dict[str, str]) -> str:

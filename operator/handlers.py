@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.operator import names
 from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.kube import Kube
+from pdserve.operator.metrics import OperatorMetrics
 from pdserve.operator.reconcile import reconcile
 
 ISVC = (names.GROUP, names.VERSION, names.PLURAL)
@@ -41,7 +42,8 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
         return
     kube: Kube = memo.kube
     key = (ns, name)
-    async with memo.locks.setdefault(key, asyncio.Lock()):
+    async with (memo.locks.setdefault(key, asyncio.Lock()),
+                memo.metrics.reconcile("full" if repair else "status") as m):
         # The body may predate our last status patch (handlers queue on the lock): trust what we last wrote.
         last = memo.statuses.get(key)
         if last is not None and last[0] == uid:
@@ -50,6 +52,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
         result = reconcile(body, observed)
         old_status = body.get("status") or {}
         if result.error:
+            m["result"] = "invalid"
             old_ready = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
             first_time = (old_status.get("observedGeneration") != meta.get("generation")
                           or old_ready.get("message") != str(result.error))
@@ -69,6 +72,7 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
                 logger.info("deleting %s %s/%s: no longer in the spec", kind, ns, child)
                 await kube.delete(kind, ns, child)
             result = reconcile(body, await kube.observe(ns, name, uid))
+        memo.metrics.pool_status(ns, name, result.status)
         if any(old_status.get(k) != v for k, v in result.status.items()):
             if not await kube.patch_status(ns, name, result.status):
                 return  # deleted meanwhile: its children go by garbage collection
@@ -82,6 +86,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
              metrics: CollectorRegistry | None = None) -> kopf.OperatorRegistry:
     """Register every handler on ``registry`` (a fresh registry per operator run keeps tests independent);
     ``metrics`` receives the operator's own metrics (the CLI serves it when asked to)."""
+    metrics = metrics if metrics is not None else CollectorRegistry()
+    operator_metrics = OperatorMetrics(metrics)   # reconciles; the autoscaler registers its own in the same registry
 
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
@@ -92,6 +98,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         memo.kube = await Kube.connect()
+        memo.metrics = operator_metrics
         memo.closing = False
         memo.locks = {}
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
@@ -124,6 +131,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         memo.statuses.pop(key, None)
         memo.locks.pop(key, None)
+        memo.metrics.forget(*key)
         memo.autoscaler.forget(*key)
 
     @kopf.timer(*ISVC, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)

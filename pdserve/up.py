@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="runtime dtype: auto|float32|bfloat16|float16")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget per runtime, e.g. 1GiB")
     p.add_argument("--api-key", default=None, help="require this key on the router")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces of the router and both pods to this OTLP collector")
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every child's /health")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts per child before `up` gives up")
@@ -160,6 +162,8 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
     common = ["--model", model_path, "--host", "127.0.0.1", "--dtype", args.dtype]
     if args.kv_cache_memory:
         common += ["--kv-cache-memory", args.kv_cache_memory]
+    tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else []
+    common += tracing
     logs = Path(args.log_dir) if args.log_dir else workdir
     logs.mkdir(parents=True, exist_ok=True)
     # The KV side channel's shared secret travels in the environment, never on a command line.
@@ -194,7 +198,8 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
     router = Child("router", [*exe, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                               "--tokenizer", model_path, *router_targets,
                               *(a for src in event_sources for a in ("--kv-events-source", src)),
-                              *(["--api-key", args.api_key] if args.api_key else [])], args.port, logs / "router.log",
+                              *(["--api-key", args.api_key] if args.api_key else []), *tracing], args.port,
+                   logs / "router.log",
                    env={"PDSERVE_KV_TOKEN": pod_env["PDSERVE_KV_TOKEN"], **router_env})  # signs handoffs
     return [*pods, router]
 

@@ -19,6 +19,7 @@ import json
 import logging
 from typing import Any
 
+from pdserve import tracing
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubePodSource, PodWatcher, static_specs
 from pdserve.router.endpoints import Endpoint, EndpointPool
@@ -216,7 +217,14 @@ class RouterApp:
         # A client disconnect cancels the request's task (and so the upstream request); see module docstring. The
         # request runs as a child task so that cancelling it leaves this one uncancelled: no Task.uncancel (3.11+).
         loop = asyncio.get_running_loop()
-        work = loop.create_task(self.router.generate(path, raw, body, headers, request_id, send))
+
+        async def traced() -> str:
+            with tracing.router_span(headers, path, request_id):
+                outcome = await self.router.generate(path, raw, body, headers, request_id, send)
+                tracing.annotate(pdserve__router__outcome=outcome)
+            return outcome
+
+        work = loop.create_task(traced())
         state = {"disconnected": False}
 
         async def watch_disconnect() -> None:

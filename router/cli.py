@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdserve import tracing
 from pdserve.runtime import envs
 from pdserve.router.config import POLICIES, KVEventSource, RouterConfig
 
@@ -71,6 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="forward clients' kv_transfer_params (only when every client is itself a trusted router; "
                         "by default they are dropped)")
     p.add_argument("--log-level", default="warning", help="debug|info|warning|error")
+    tracing.add_flag(p)
     p.set_defaults(func=run)
     return p
 
@@ -120,5 +122,6 @@ def run(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(a)
+    tracing.configure(a.otlp_traces_endpoint, "pdserve-router")
     http_server.run(RouterApp(cfg), cfg.host, cfg.port)
     return 0

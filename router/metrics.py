@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve import tracing
+
 MAX_MEMO = 4096  # memoized metric children
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -11,6 +13,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(tracing.MetricsCollector())
         self.requests = Counter("pdserve_router_requests", "Requests answered, by outcome "
                                 "(ok, upstream_error, no_endpoint, rejected, unauthorized, bad_request, "
                                 "too_large, cancelled, timeout).", ["outcome"], registry=r)
@@ -45,6 +48,15 @@ class RouterMetrics:
         self.index_blocks = Gauge("pdserve_router_prefix_index_blocks", "Distinct block hashes in the index.",
                                   registry=r)
         self._children: dict[tuple, object] = {}
+        # Label sets known up front exist from start, so rate() and the alerts see 0 rather than nothing.
+        for outcome in ("ok", "upstream_error", "no_endpoint", "rejected", "bad_request", "timeout"):
+            self.requests.labels(outcome)
+        for action in ("retry_prefill", "decode_only", "fail"):
+            self.pd_fallbacks.labels(action)
+        for role in ("prefill", "decode"):
+            self.retries.labels(role)
+            for kind in ("connect", "timeout"):
+                self.upstream_errors.labels(role, kind)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, memoized (the hot path pays a dict lookup, not prometheus' locking). The memo

@@ -18,6 +18,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from pdserve import tracing
 from pdserve.router.config import RouterConfig
 from pdserve.router.drain_signal import compatible
 from pdserve.router.endpoints import Endpoint, EndpointPool
@@ -87,6 +88,7 @@ class Router:
             if d is None:
                 return None
             self.metrics.child(self.metrics.decisions, role, d.endpoint.url).inc()
+            tracing.annotate(**tracing.decision_attributes(role, d))
             return d.endpoint
 
         return pick
@@ -105,13 +107,17 @@ class Router:
         decode_ep = decision.endpoint
         m.child(m.decisions, "decode", decode_ep.url).inc()
         m.child(m.scores, "decode").observe(decision.score)
+        tracing.annotate(pdserve__prompt_tokens=ctx.num_prompt_tokens,
+                         **tracing.decision_attributes("decode", decision))
         fwd = {"content-type": "application/json", "x-request-id": request_id}
+        tracing.inject(fwd)   # the pods' spans are children of the router's
         payload = raw
 
         if self.pool.prefillers:
             uncached = ctx.num_prompt_tokens - int(ctx.matched_blocks.get(decode_ep.url, 0)) * cfg.block_size
             can_prefill = (lambda p: p.waiting <= cfg.prefill_max_waiting and p.url != decode_ep.url
                            and compatible(p, decode_ep))  # same KV fingerprint, else decode-only
+            tracing.annotate(pdserve__pd__uncached_tokens=uncached)
             if uncached <= cfg.pd_threshold:
                 m.child(m.pd_decisions, "local_short").inc()
             elif not any(p.routable and can_prefill(p) for p in self.pool.prefillers):
@@ -120,6 +126,8 @@ class Router:
                 m.child(m.pd_decisions, "disaggregated").inc()
                 pick = self.picker(self.prefill_profile, ctx, lambda: self.pool.prefillers, "prefill", can_prefill)
                 res = await run_prefill(self.upstream, m, pick, path, body, fwd, cfg.prefill_attempts, kv_secret(cfg))
+                tracing.annotate(pdserve__prefill__served_by=res.endpoint and res.endpoint.url,
+                                 pdserve__prefill__error=res.error or None)
                 if res.client_error is not None:
                     status, data = res.client_error
                     await send_bytes(send, status, data, extra=[(b"x-request-id", request_id.encode())])
@@ -147,6 +155,7 @@ class Router:
             await send_error(send, status, f"no endpoint could serve the request: {e}", code="upstream_error",
                              retry_after=5 if status == 503 else None, request_id=request_id)
             return "upstream_error" if e.tried else "no_endpoint"
+        tracing.annotate(pdserve__decode__served_by=att.endpoint.url)
         if ctx.block_hashes:
             self.index.add_speculative(att.endpoint.url, ctx.block_hashes)
         m.prompt_tokens.inc(ctx.num_prompt_tokens)

@@ -19,6 +19,7 @@ import random
 import time
 from typing import Callable
 
+from pdserve import tracing
 from pdserve.router.config import RouterConfig
 from pdserve.router.drain_signal import note_response
 from pdserve.router.endpoints import Endpoint
@@ -95,6 +96,7 @@ class Upstream:
                 held = None
             if attempt:
                 self.metrics.child(self.metrics.retries, role).inc()
+                tracing.event("retry", role=role, attempt=attempt, previous_error=last)
                 await asyncio.sleep(self.cfg.retry_backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
             tried.add(ep.url)
             ep.in_flight += 1

@@ -192,7 +192,7 @@ class AsyncEngine:
             self.metrics.set_engine_stats(self.engine.get_stats())
             connector = getattr(self.engine, "connector", None)
             if connector is not None:
-                self.metrics.set_connector_metrics(connector.metrics())
+                self.metrics.set_connector_metrics(connector.metrics(), getattr(connector, "name", None))
             if batch_size:
                 self.metrics.observe_step(batch_size)
 

@@ -12,6 +12,7 @@ import re
 import sys
 from typing import Any
 
+from pdserve import tracing
 from pdserve.runtime import envs
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
@@ -83,6 +84,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    tracing.add_flag(s)
     s.add_argument("--log-level", default=envs.log_level().lower(),
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (env PDSERVE_LOG_LEVEL)")
 
@@ -176,4 +178,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pdserve.runtime.server import run_server
 
+    tracing.configure(args.otlp_traces_endpoint, f"pdserve-{args.role}")
     return run_server(args)

@@ -215,7 +215,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                                  first_token_time=req.first_token_time,
                                  finished_time=time.time() if req.is_finished else None,
-                                 num_preemptions=req.num_preemptions, num_recomputed_tokens=req.num_recomputed_tokens)
+                                 num_preemptions=req.num_preemptions, num_recomputed_tokens=req.num_recomputed_tokens,
+                                 kv_transfer=req.kv_transfer or None)
         request_id, finished, outs = req.request_id, req.is_finished, [completion]
         if req.request_id in self._child_of:
             request_id, index = self._child_of[req.request_id]

@@ -25,6 +25,17 @@ def api_key() -> str | None:
     return os.environ.get("PDSERVE_API_KEY") or None
 
 
+def pod_otlp_traces_endpoint() -> str | None:
+    """The operator's PDSERVE_POD_OTLP_TRACES_ENDPOINT: the OTLP collector it tells every pod and router to export
+    traces to (as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT in their ConfigMap); unset: no tracing."""
+    return os.environ.get("PDSERVE_POD_OTLP_TRACES_ENDPOINT") or None
+
+
+def pod_otlp_traces_protocol() -> str | None:
+    """PDSERVE_POD_OTLP_TRACES_PROTOCOL: ``http/protobuf`` (default) or ``grpc``, passed on like the endpoint."""
+    return os.environ.get("PDSERVE_POD_OTLP_TRACES_PROTOCOL") or None
+
+
 def kv_transfer_token() -> str | None:
     """Shared secret that authenticates KV-transfer side channels between pods (PDSERVE_KV_TOKEN)."""
     return os.environ.get("PDSERVE_KV_TOKEN") or None

@@ -9,12 +9,14 @@ per-request latencies and batch sizes are histograms observed as they happen.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pdserve import tracing
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -68,8 +70,14 @@ class _ConnectorCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.values: dict[str, float] = {}  # replaced wholesale by the engine thread
+        self.connector: str | None = None   # its registry name, exported as pdserve:kv_connector_info{connector}
 
     def collect(self) -> Iterator[Metric]:
+        if self.connector:   # joined by dashboards (``* on (pod) group_left (connector)``) to break down per connector
+            info = GaugeMetricFamily("pdserve:kv_connector_info", "The pod's KV connector (value 1).",
+                                     labels=["model_name", "connector"])
+            info.add_metric([self.model_name, self.connector], 1.0)
+            yield info
         families: dict[str, Metric] = {}
         for key, value in sorted(self.values.items()):
             name, _, rest = key.partition("{")
@@ -93,6 +101,7 @@ class ServerMetrics:
         self.registry.register(self._stats)
         self._connector = _ConnectorCollector(model_name)
         self.registry.register(self._connector)
+        self.registry.register(tracing.MetricsCollector())
         m, r = ["model_name"], self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
@@ -115,12 +124,15 @@ class ServerMetrics:
         self.kv_event_batches = Counter("pdserve:kv_event_batches_published", "KV event batches published.", m,
                                         registry=r).labels(model_name)
         self._max_batch = 0
+        for reason in ("queue_full", "draining"):   # exist from start: rate() and alerts see 0, not nothing
+            self._rejected.labels(model_name, reason)
 
     def set_engine_stats(self, stats: Any) -> None:
         self._stats.stats = stats
 
-    def set_connector_metrics(self, values: dict[str, float]) -> None:
+    def set_connector_metrics(self, values: dict[str, float], connector: str | None = None) -> None:
         self._connector.values = dict(values)
+        self._connector.connector = connector
 
     def observe_step(self, batch_size: int) -> None:
         self.num_steps.inc()
@@ -144,8 +156,9 @@ class RequestTimer:
     """Per-request latencies of one request: TTFT, inter-token latency (per token), end-to-end; fed with each
     cumulative output as it arrives (``None``: aborted by the server)."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float):
+    def __init__(self, metrics: ServerMetrics, arrival: float, on_finish: Callable[[Any], None] | None = None):
         self.metrics, self.arrival, self.last, self.num_tokens = metrics, arrival, None, 0
+        self.on_finish = on_finish   # called once with the final output (None: aborted), e.g. by tracing
 
     def update(self, out: Any) -> None:
         now = time.monotonic()
@@ -162,6 +175,9 @@ class RequestTimer:
             self.metrics.e2e.observe(now - self.arrival)
             reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
             self.metrics.request_finished(reason or "abort")
+            if self.on_finish is not None:
+                self.on_finish, on_finish = None, self.on_finish
+                on_finish(out)
 
 
 def parse_samples(text: str) -> dict[str, float]:

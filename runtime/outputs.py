@@ -32,6 +32,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    kv_transfer: dict[str, Any] | None = None   # remote-KV load: connector, start/end, blocks, bytes, failures
 
 
 @dataclass

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve import __version__
+from pdserve import __version__, tracing
 from pdserve.kv_connectors import kv_auth
 from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import envs
@@ -274,7 +274,9 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
     except EngineDeadError as e:
         raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
     resp_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
-    timer = RequestTimer(metrics, arrival)
+    trace = tracing.request_trace(request.headers, state.options.role, state.engine, base_id, params,
+                                  req.kv_transfer_params)   # None while tracing is off
+    timer = RequestTimer(metrics, arrival, trace)
     headers = {"X-Request-Id": base_id}
     if req.stream:
         gen = _stream_events(builder, kind, req, resp_id, prompt_ids, stream, timer)
