@@ -3,7 +3,7 @@
 Bodies come from tests/support/openai_strategies.py (shared with the router's fuzz test). Every answer must be a
 2xx or an OpenAI-shaped 4xx (never a 5xx or a dropped connection), no stream may carry an error event, and /health must
 stay 200 after every example: no body may kill the engine. Bounded: ``PDSERVE_FUZZ_EXAMPLES`` examples per endpoint
-(default 150), at most ``MAX_TOKENS`` tokens per accepted request, a 60 s limit per request.
+(default 100), at most ``MAX_TOKENS`` tokens per accepted request, a 60 s limit per request.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 
-from tests.support.openai_strategies import RAW_BODIES, assert_openai_error, chat_bodies, completion_bodies, encode
+from tests.support.openai_strategies import (RAW_BODIES, assert_openai_error, chat_bodies, completion_bodies, encode,
+                                            numeric_edges)
 from tests.support.server import launch_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "SmolLM2-135M-Instruct"
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
@@ -75,3 +76,11 @@ def test_fuzz_chat_completions(server, http, body):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_raw_bodies(server, http, path, content):
     check(server, http, path, content)
+
+
+def test_every_numeric_field_at_every_edge(server, http):
+    """Deterministic sweep (random draws rarely hit a given edge): each numeric field at each int64/uint64/float edge,
+    on a sampling request with n=2 (child seeds are seed + i) and min_tokens=1 (stop token ids get masked)."""
+    base = {"prompt": "Hello", "max_tokens": 1, "n": 2, "temperature": 1.0, "min_tokens": 1, "top_k": 50}
+    for key, value in numeric_edges():
+        check(server, http, "/v1/completions", encode({**base, key: value}))

@@ -2,9 +2,10 @@
 
 ``completion_bodies(model)`` and ``chat_bodies(model)`` draw request dicts shaped like ``/v1/completions`` and
 ``/v1/chat/completions`` bodies (every field of pdserve's request models, OpenAI's and vLLM's extras, plus unknown
-keys). Half are well-formed (in-range values, int64 edges included: these must be served), half hostile: any field may
-be out of range or on a boundary (int64/uint64 edges and beyond, huge ints), of the wrong type, unicode, or nested
-JSON. ``RAW_BODIES`` are byte bodies a JSON encoder would never produce (NaN, ``1e999``, 5,000-digit integers, deep
+keys), in three equal shares: well-formed (in-range values, int64 edges included: these must be served); well-formed
+but for one numeric field set to an edge value (int64/uint64 edges and beyond, huge ints, tiny and huge floats: the
+shape that reaches the engine); and hostile, where any field may be out of range, of the wrong type, unicode, or
+nested JSON. ``RAW_BODIES`` are byte bodies a JSON encoder would never produce (NaN, ``1e999``, 5,000-digit integers, deep
 nesting, lone surrogates, invalid UTF-8). ``encode`` turns a drawn dict into bytes.
 
 Cost bound: a body that the server accepts asks for at most ``MAX_TOKENS`` tokens per choice and at most 3 choices
@@ -23,9 +24,9 @@ from hypothesis import strategies as st
 
 MAX_TOKENS = 4
 VOCAB = 49_152   # the default model's; ids beyond it must be refused
-INT_EDGES = [0, 1, -1, 2, 3, 16, 17, 20, 21, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
-             -(2**63), -(2**63) - 1, 10**30]
-FLOAT_EDGES = [0.0, -0.0, 5e-324, 1e-6, 0.5, 1.0, 1.5, 2.0, 2.0000001, -2.0000001, 100.0, 100.5, 1e308, -1e308]
+INT_EDGES = [0, 1, -1, 2, 17, 21, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63),
+             -(2**63) - 1, 10**30]
+FLOAT_EDGES = [0.0, 5e-324, 1e-6, 0.5, 2.0000001, -2.0000001, 100.5, 1e308, -1e308]
 HOSTILE_IDS = ["x\r\ny", "x\ny", "日本語", "é", "a#0", "", " ", "a" * 300, "tab\tid", "ok-id_1.2"]
 
 
@@ -147,12 +148,30 @@ def _chat(model: str, h: bool) -> st.SearchStrategy[dict[str, Any]]:
                                               optional=optional))
 
 
+# Numeric fields that reach the engine (max_tokens left out: an in-range big value only makes a run slow).
+NUMERIC_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens", "priority", "truncate_prompt_tokens", "stop_token_ids"]
+EDGE_VALUES = [*INT_EDGES, *FLOAT_EDGES, VOCAB]
+
+
+def numeric_edges(fields: list[str] = NUMERIC_FIELDS) -> list[tuple[str, Any]]:
+    """Every (field, edge value) pair: ``body | {field: value}`` (a list for ``stop_token_ids``) is one probe."""
+    return [(f, [v] if f == "stop_token_ids" else v) for f in fields for v in EDGE_VALUES]
+
+
+def _one_bad_number(clean: st.SearchStrategy[dict[str, Any]], fields: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    """A well-formed body with one numeric field set to an edge value: the shape that reaches the engine."""
+    return st.tuples(clean, st.sampled_from(numeric_edges(fields))).map(lambda t: {**t[0], t[1][0]: t[1][1]})
+
+
 def completion_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    return _completion(model, False) | _completion(model, True)
+    clean = _completion(model, False)
+    return st.one_of(clean, _one_bad_number(clean, NUMERIC_FIELDS + ["logprobs"]), _completion(model, True))
 
 
 def chat_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    return _chat(model, False) | _chat(model, True)
+    clean = _chat(model, False)
+    return st.one_of(clean, _one_bad_number(clean, NUMERIC_FIELDS + ["top_logprobs"]), _chat(model, True))
 
 
 def _nested(depth: int) -> bytes:
