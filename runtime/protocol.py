@@ -9,7 +9,7 @@ extras (``user``, ``metadata``...). ``ApiError`` carries an HTTP status and rend
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -77,7 +77,7 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
 
-    _API_NAMES: dict[str, str] = {}   # SamplingParams / check_request field -> this request's field
+    API_NAMES: ClassVar[dict[str, str]] = {}   # SamplingParams / check_request field -> this request's field
 
     @field_validator("stop")
     @classmethod
@@ -108,7 +108,7 @@ class _SamplingFields(_Request):
 
     def api_error(self, e: InvalidParam) -> ApiError:
         """A 400 for ``e``, naming the field as this request spells it (``top_logprobs``, ``messages``...)."""
-        param, msg = self._API_NAMES.get(e.param, e.param), str(e)
+        param, msg = self.API_NAMES.get(e.param, e.param), str(e)
         if param == "max_tokens" and getattr(self, "max_completion_tokens", None) is not None:
             param = "max_completion_tokens"
         if param != e.param and msg.startswith(e.param):
@@ -202,7 +202,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tools are not supported")
         return self
 
-    _API_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+    API_NAMES: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

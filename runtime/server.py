@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
@@ -259,11 +260,11 @@ def _check_token_ids(state: _State, ids: list[int], param: str) -> None:
 
 
 async def _chat_ids(state: _State, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    try:
+    try:   # a template may refuse a conversation (TemplateError: e.g. roles out of order)
         return await state.off_loop(lambda: list(state.engine.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt)))
-    except ValueError as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    except (ValueError, TypeError, TemplateError) as e:
+        raise ApiError(400, f"cannot apply the chat template: {str(e)[:300]}", param="messages") from None
 
 
 def _checked(state: _State, req: Any, prompt_ids: list[int]) -> tuple[list[int], SamplingParams]:
