@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -82,7 +83,8 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
-        self._commands: deque[Callable[[], None]] = deque()
+        # (command, the future its caller awaits or None): failed, not dropped, if the engine thread dies
+        self._commands: deque[tuple[Callable[[], None], concurrent.futures.Future | None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,7 +133,7 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - handed back to the caller
                 fut.set_exception(e)
 
-        self._submit(add)
+        self._submit(add, fut)
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -157,9 +159,22 @@ class AsyncEngine:
             s._abort()
         return len(ids)
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.append(command)
+    def _submit(self, command: Callable[[], None], fut: concurrent.futures.Future | None = None) -> None:
+        self._commands.append((command, fut))
         self._wake.set()
+        if self.dead is not None:   # the engine thread died (maybe just now): nobody else will run it
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Fail the futures of commands the engine thread will never run (each command is popped exactly once)."""
+        while True:
+            try:
+                _, fut = self._commands.popleft()
+            except IndexError:
+                return
+            if fut is not None:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):   # cancelled by its caller
+                    fut.set_exception(EngineDeadError(f"engine loop died: {self.dead}"))
 
     # ---- engine thread ----
     def _run(self) -> None:
@@ -167,7 +182,11 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._wake.clear()
                 while self._commands:
-                    self._commands.popleft()()
+                    command, _ = self._commands.popleft()
+                    try:
+                        command()
+                    except Exception:  # noqa: BLE001 - an abort of an unknown id must not stop the loop
+                        logger.exception("engine command failed")
                 if not self.engine.has_unfinished_requests():
                     self._after_step(0)
                     self._wake.wait(self.idle_poll_s)
@@ -179,6 +198,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - fail everything loudly instead of hanging clients
             logger.exception("engine loop crashed")
             self.dead = e
+            self._fail_pending()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e}"))
 

@@ -23,7 +23,8 @@ from pdserve.runtime.model_runner import ModelRunner, determine_num_blocks, kv_b
 from pdserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.scheduler import Scheduler
+from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ class EngineStats:
     kv_load_failures: int
     recomputed_tokens: int
     num_blocks: int = 0
+
+
+def _is_device_fault(e: BaseException) -> bool:
+    """Errors that mean the device (not one request) is broken: the engine must die and report unhealthy."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
 
 
 class _Parent:
@@ -81,6 +88,11 @@ class LLMEngine:
             self.connector.register_kv_caches(self.runner.kv_cache)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    kvt.load_failure_policy)
+        sched = config.scheduler
+        self.limits = RequestLimits(vocab_size=int(self.hf_config.vocab_size), max_model_len=self.max_model_len,
+                                    block_size=block_size, num_blocks=num_blocks,
+                                    max_unchunked_prompt=None if sched.enable_chunked_prefill
+                                    else sched.max_num_batched_tokens)
         eos = getattr(loaded.hf_config, "eos_token_id", None)
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         if self.eos_token_id is None:
@@ -96,54 +108,36 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, kv_transfer_params: dict | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for a duplicate id, an empty or too long prompt, or bad token ids."""
+        """Queue a request. Raises ValueError for a duplicate id or anything ``validation.check_request`` refuses
+        (an ``InvalidParam`` naming the field)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        if request_id in self._requests or request_id in self._parents:
+        if request_id in self._requests or request_id in self._parents or request_id in self._child_of:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             prompt_text, token_ids = None, list(prompt)
-            vocab = self.hf_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context length ({self.max_model_len} tokens)")
-        if max_tokens < 1:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate within the context "
-                             f"length ({self.max_model_len} tokens)")
-        # An explicit max_tokens must fit the pool; an open-ended one is cut ("length") when the pool is full.
-        reserve = max_tokens if params.max_tokens is not None else 1
-        need = -(-(len(token_ids) + reserve) // self.config.cache.block_size)
-        if need > self.scheduler.kv.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, "
-                             f"more than the whole cache ({self.scheduler.kv.num_blocks} blocks)")
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds max_num_batched_tokens "
-                             f"({sched.max_num_batched_tokens}) and chunked prefill is disabled")
+        max_tokens = check_request(token_ids, params, self.limits, priority=priority)
         if params.n == 1:
             children = [(request_id, params)]
         else:
+            children = [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None
+                                                      else params.seed + i)) for i in range(params.n)]
+            if any(cid in self._requests for cid, _ in children):
+                raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
+        # Build everything before registering anything: a failure must leave no trace.
+        reqs = [Request(rid, token_ids, p, block_size=self.config.cache.block_size, eos_token_id=self.eos_token_id,
+                        prompt=prompt_text, priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
+                        kv_transfer_params=kv_transfer_params, max_tokens=max_tokens) for rid, p in children]
+        detoks = [IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
+                                         p.include_stop_str_in_output) for _, p in children]
+        if params.n > 1:
             self._parents[request_id] = _Parent(request_id, params.n)
-            children = []
-            for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                cid = f"{request_id}#{i}"
-                self._child_of[cid] = (request_id, i)
-                children.append((cid, replace(params, n=1, seed=seed)))
-        for rid, p in children:
-            req = Request(rid, token_ids, p, block_size=self.config.cache.block_size, eos_token_id=self.eos_token_id,
-                          prompt=prompt_text, priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
-                          kv_transfer_params=kv_transfer_params, max_tokens=max_tokens)
-            self._requests[rid] = req
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
-                                                      p.include_stop_str_in_output)
+            self._child_of.update({req.request_id: (request_id, i) for i, req in enumerate(reqs)})
+        for req, detok in zip(reqs, detoks):
+            self._requests[req.request_id] = req
+            self._detok[req.request_id] = detok
             self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -153,7 +147,10 @@ class LLMEngine:
         for rid in ids:
             parent = self._parents.pop(rid, None)
             if parent is not None:
-                engine_ids += [f"{rid}#{i}" for i in range(len(parent.completions))]
+                children = [f"{rid}#{i}" for i in range(len(parent.completions))]
+                for cid in children:
+                    self._child_of.pop(cid, None)
+                engine_ids += children
             else:
                 engine_ids.append(rid)
         for req in self.scheduler.abort_requests(engine_ids):
@@ -170,7 +167,7 @@ class LLMEngine:
         meta = sched_out.connector_meta
         if self.connector is not None and meta is not None:
             self.connector.start_load_kv(meta)
-        sampled = self.runner.execute(sched_out, self._requests)
+        sampled = self._execute(sched_out)
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)
         progressed = self.scheduler.update_from_output(sched_out, sampled)
@@ -183,10 +180,47 @@ class LLMEngine:
                 continue
             if req.first_token_time is None and req.num_output_tokens:
                 req.first_token_time = now
-            out = self._postprocess(req)
+            try:
+                out = self._postprocess(req)
+            except Exception as e:  # noqa: BLE001 - one request's bug must not take the engine down
+                log.exception("postprocessing request %s failed", req.request_id)
+                out = self._fail_output(req, e)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run the step. If it raises, run each sequence alone and fail only those that still raise: no counter has
+        moved yet and recomputing a sequence writes the same KV to the same slots, so the retry is exact (a seeded
+        generator may have advanced, which only changes that request's draw). A device fault stays fatal."""
+        try:
+            return self.runner.execute(sched_out, self._requests)
+        except Exception as e:  # noqa: BLE001
+            if _is_device_fault(e) or len(sched_out.scheduled) == 0:
+                raise
+            log.exception("step over %d sequences failed; retrying them one by one", len(sched_out.scheduled))
+        sampled: dict[str, SampledToken] = {}
+        for s in sched_out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self._requests))
+            except Exception as e:  # noqa: BLE001
+                if _is_device_fault(e):
+                    raise
+                log.exception("request %s failed in its step", s.request_id)
+                req = self._requests.get(s.request_id)
+                if req is not None and not req.is_finished:
+                    self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
+        return sampled
+
+    def _fail_output(self, req: Request, error: Exception) -> RequestOutput | None:
+        """The error output of a request whose postprocessing raised (it is finished and forgotten)."""
+        if not req.is_finished:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = f"{type(error).__name__}: {error}"[:500]
+        self._forget(req.request_id)
+        return self._make_output(req, CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids),
+                                                       finish_reason="error", stop_reason=None))
 
     def _postprocess(self, req: Request) -> RequestOutput | None:
         detok = self._detok[req.request_id]

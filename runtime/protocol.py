@@ -1,19 +1,22 @@
 """OpenAI API request bodies and error responses (pydantic: the HTTP trust boundary).
 
-Request models validate shapes and ranges only; checks that need the model (unknown model name, prompt plus
-``max_tokens`` beyond ``max_model_len``) are done by the server. Unknown fields are ignored, as OpenAI clients send
+Request models validate shapes; ``parse`` then checks every range through ``runtime.validation`` (the one
+validation path, shared with the engine) by building the request's ``SamplingParams``. Checks that need the model
+(unknown model name, token ids, prompt plus ``max_tokens`` beyond ``max_model_len``) are done by the server. Unknown fields are ignored, as OpenAI clients send
 extras (``user``, ``metadata``...). ``ApiError`` carries an HTTP status and renders OpenAI's error JSON:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_LOGPROBS = 20
-MAX_N = 16  # completions per request (the engine fans them out sharing the prompt's blocks)
+from pdserve.runtime import validation
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.validation import InvalidParam
+
 
 
 class ApiError(Exception):
@@ -44,7 +47,8 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras). Shapes only here: ranges are
+    checked by ``validation`` when ``parse`` builds the request's ``SamplingParams``."""
 
     model: str | None = None
     n: int = 1
@@ -57,86 +61,93 @@ class _SamplingFields(_Request):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
     # pdserve / vLLM extensions
-    request_id: str | None = Field(default=None, max_length=256)
+    request_id: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if not 1 <= v <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and v < 0:
-            raise ValueError("temperature must be >= 0")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0 < v <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and v < -1:
-            raise ValueError("top_k must be -1 (disabled) or >= 0")
-        return v
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0 <= v <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        return v
+    API_NAMES: ClassVar[dict[str, str]] = {}   # SamplingParams / check_request field -> this request's field
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str]:
-        stops = [] if v is None else [v] if isinstance(v, str) else v
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop must be at most 16 non-empty strings")
-        return stops
+        return [] if v is None else [v] if isinstance(v, str) else v
 
     def wants_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def token_limit(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """This request's ``SamplingParams`` with ``max_tokens``; out-of-range values are a 400 naming the field."""
+        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                                "frequency_penalty", "repetition_penalty", "min_tokens",
+                                                "stop_token_ids")}
+        try:
+            return SamplingParams(n=self.n, max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+                                  logprobs=self.num_logprobs(), skip_special_tokens=self.skip_special_tokens,
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  **{k: v for k, v in fields.items() if v is not None})
+        except InvalidParam as e:
+            raise self.api_error(e) from None
+
+    def api_error(self, e: InvalidParam) -> ApiError:
+        """A 400 for ``e``, naming the field as this request spells it (``top_logprobs``, ``messages``...)."""
+        param, msg = self.API_NAMES.get(e.param, e.param), str(e)
+        if param == "max_tokens" and getattr(self, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        if param != e.param and msg.startswith(e.param):
+            msg = param + msg[len(e.param):]
+        return ApiError(400, msg, param=param)
+
+    def validate_ranges(self) -> None:
+        """Every numeric range of the request (``validation``), so that nothing out of range reaches the engine."""
+        try:
+            validation.check_priority(self.priority)
+            if self.request_id is not None:
+                validation.check_request_id(self.request_id)
+            validation.check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+            if self.logit_bias:
+                validation.check_logit_bias(self.logit_bias)
+                raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        except InvalidParam as e:
+            raise self.api_error(e) from None
+        self.sampling_params(self.token_limit())
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("max_tokens must be at least 1")
-        return v
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of other than 1 is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.echo:
@@ -176,16 +187,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if limit is not None and limit < 1:
-            raise ValueError("max_tokens must be at least 1")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -194,8 +202,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tools are not supported")
         return self
 
+    API_NAMES: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -225,7 +238,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ())) or None
@@ -233,3 +246,6 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         if err.get("type") == "missing":
             msg = f"missing required field {param!r}"
         raise ApiError(400, msg if param is None else f"{param}: {msg}", param=param) from None
+    if isinstance(req, _SamplingFields):
+        req.validate_ranges()
+    return req

@@ -1,8 +1,14 @@
-"""Sampling parameters of one request (vLLM-shaped). Validation raises ValueError with a message naming the field."""
+"""Sampling parameters of one request (vLLM-shaped). Validated on construction by
+``pdserve.runtime.validation.check_sampling_params``: an ``InvalidParam`` (a ValueError) naming the field."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+
+from pdserve.runtime.validation import check_sampling_params
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -29,49 +35,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_strings = tuple(stop)
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        # numpy ints become ints; anything else is left for the validation to refuse
+        self.stop_token_ids = [operator.index(t) if hasattr(t, "__index__") else t for t in self.stop_token_ids or []]
         if self.top_k == 0:
             self.top_k = -1
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad("temperature", "must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", "must be in (0, 10]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            bad("stop", "must be non-empty strings")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative token ids")
+        check_sampling_params(self)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW  # a tinier temperature overflows float32 logits (as vLLM does)
 
     @property
     def has_penalties(self) -> bool:

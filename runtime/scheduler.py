@@ -113,6 +113,12 @@ class Scheduler:
             return
         self._release(req)
 
+    def fail_request(self, req: Request, error: str) -> None:
+        """Finish ``req`` with an error now; the next ``update_from_output`` reports it."""
+        req.error = error
+        self.finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.finished_out.append(req)
+
     def _release(self, req: Request) -> None:
         if self.connector is not None:
             delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
@@ -327,9 +333,7 @@ class Scheduler:
         self.kv_load_failures += 1
         self.kv.invalidate_from(req, first)
         if self.load_failure_policy == "fail":
-            req.error = f"KV load failed for block {first} of request {req.request_id!r}"
-            self.finish_request(req, RequestStatus.FINISHED_ERROR)
-            self.finished_out.append(req)
+            self.fail_request(req, f"KV load failed for block {first} of request {req.request_id!r}")
             return True
         cut = min(first * self.block_size, req.num_computed_tokens if req.status == RequestStatus.RUNNING else end)
         self.recomputed_tokens += end - cut

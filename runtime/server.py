@@ -13,19 +13,22 @@ finish within the grace period, then aborts the rest.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__, tracing
@@ -41,11 +44,14 @@ from pdserve.runtime.protocol import (ApiError, ChatCompletionRequest, Completio
                                       TokenizeRequest, error_body, parse)
 from pdserve.runtime.responses import ResponseBuilder
 from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.validation import InvalidParam, check_request, check_request_id, check_token_ids
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 MAX_BODY_BYTES = 32 * 2**20   # request bodies beyond this are refused (413) before being read into memory
+MAX_JSON_DEPTH = 64           # nesting beyond this is refused (400): no OpenAI body comes close
+TOKENIZE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,12 @@ class _State:
         self.model_names = {engine.served_model_name, str(getattr(engine.config.model, "model", None) or "")} - {""}
         self.vocab_size = int(engine.hf_config.vocab_size)
         self.created = int(time.time())
+        # Tokenizing and chat-template rendering of a big prompt take seconds: off the event loop, so /health and
+        # other requests keep being answered (a bounded pool: at most this many run at once).
+        self.cpu_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn, *args)
 
 
 def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
@@ -80,6 +92,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         finally:
             state.async_engine.abort_all()
             state.async_engine.stop()
+            state.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pdserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -131,10 +144,11 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         req: TokenizeRequest = parse(TokenizeRequest, await _json(request))
         _check_model(state, req.model)
         if req.messages is not None:
-            ids = _chat_ids(engine, [{"role": m.role, "content": m.text()} for m in req.messages],
-                            req.add_generation_prompt)
+            ids = await _chat_ids(state, [{"role": m.role, "content": m.text()} for m in req.messages],
+                                  req.add_generation_prompt)
         else:
-            ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await state.off_loop(lambda: list(engine.tokenizer.encode(
+                req.prompt, add_special_tokens=req.add_special_tokens)))
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=guarded)
@@ -142,28 +156,26 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         req: DetokenizeRequest = parse(DetokenizeRequest, await _json(request))
         _check_model(state, req.model)
         _check_token_ids(state, req.tokens, "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await state.off_loop(engine.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await _json(request))
         _check_model(state, req.model)
         prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = list(engine.tokenizer.encode(prompt, add_special_tokens=False))  # as the engine does
+        if isinstance(prompt, str):  # tokenized as the engine does
+            prompt_ids = await state.off_loop(lambda: list(engine.tokenizer.encode(prompt, add_special_tokens=False)))
         else:
-            _check_token_ids(state, prompt, "prompt")
             prompt_ids = list(prompt)
-        params = _sampling_params(state, req, prompt_ids, req.max_tokens, req.logprobs)
+        prompt_ids, params = _checked(state, req, prompt_ids)
         return await _serve(request, state, builder, "completion", req, prompt_ids, params)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
         _check_model(state, req.model)
-        prompt_ids = _chat_ids(engine, req.message_dicts(), req.add_generation_prompt)
-        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(state, req, prompt_ids, req.token_limit(), num_logprobs)
+        prompt_ids = await _chat_ids(state, req.message_dicts(), req.add_generation_prompt)
+        prompt_ids, params = _checked(state, req, prompt_ids)
         return await _serve(request, state, builder, "chat", req, prompt_ids, params)
 
     return app
@@ -200,9 +212,43 @@ async def _json(request: Request) -> Any:
             raise ApiError(413, f"request body must be at most {MAX_BODY_BYTES} bytes")
     request.state.raw_body = data = bytes(raw)   # the KV handoff check MACs the exact bytes
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+        text = data.decode("utf-8")
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ApiError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, NaN/Infinity, ints beyond 4300 digits
+        raise ApiError(400, f"malformed JSON body: {str(e)[:200]}") from None
+    _check_json_values(body, check_strings="\\u" in text)
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _check_json_values(body: Any, check_strings: bool) -> None:
+    """Nesting depth (deep bodies would overflow the stack of whatever walks them next) and, when the text had
+    ``\\u`` escapes, lone surrogates (they cannot be tokenized or encoded back to UTF-8)."""
+    todo = [(body, 0)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ApiError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo += [(x, depth + 1) for kv in items for x in kv if isinstance(x, (dict, list, str))]
+        elif check_strings and isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "malformed JSON body: a string holds a lone UTF-16 surrogate") from None
 
 
 def _check_model(state: _State, model: str | None) -> None:
@@ -212,43 +258,40 @@ def _check_model(state: _State, model: str | None) -> None:
 
 
 def _check_token_ids(state: _State, ids: list[int], param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", param=param)
-
-
-def _chat_ids(engine: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     try:
-        return list(engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
-    except ValueError as e:
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        check_token_ids(ids, state.vocab_size, param)
+    except InvalidParam as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
-def _sampling_params(state: _State, req: Any, prompt_ids: list[int], max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
-    limit = state.engine.max_model_len
-    if len(prompt_ids) >= limit:
-        raise ApiError(400, f"prompt has {len(prompt_ids)} tokens, the maximum context length is {limit}",
-                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-    if max_tokens is None:
-        max_tokens = limit - len(prompt_ids)
-    elif len(prompt_ids) + max_tokens > limit:
-        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the maximum "
-                       f"context length {limit}", param="max_tokens")
-    fields = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                                            "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids")}
+async def _chat_ids(state: _State, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    try:   # a template may refuse a conversation (TemplateError: e.g. roles out of order)
+        return await state.off_loop(lambda: list(state.engine.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt)))
+    except (ValueError, TypeError, TemplateError) as e:
+        raise ApiError(400, f"cannot apply the chat template: {str(e)[:300]}", param="messages") from None
+
+
+def _checked(state: _State, req: Any, prompt_ids: list[int]) -> tuple[list[int], SamplingParams]:
+    """(prompt ids after ``truncate_prompt_tokens``, sampling params with the effective ``max_tokens``), checked by
+    ``validation.check_request`` as the engine will check them (a 400 naming the request's field)."""
+    if req.truncate_prompt_tokens is not None:
+        prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
+    params = req.sampling_params(req.token_limit())
     try:
-        return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                              skip_special_tokens=req.skip_special_tokens,
-                              include_stop_str_in_output=req.include_stop_str_in_output,
-                              **{k: v for k, v in fields.items() if v is not None})
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        max_tokens = check_request(prompt_ids, params, state.engine.limits, priority=req.priority)
+    except InvalidParam as e:
+        raise req.api_error(e) from None
+    return prompt_ids, params if params.max_tokens == max_tokens else replace(params, max_tokens=max_tokens)
 
 
 def _request_id(request: Request, state: _State, body_id: str | None) -> tuple[str, str]:
     """(client-visible id, engine id): the engine id gets a suffix if a client reuses an id still in flight."""
     base = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        check_request_id(base)   # the body's id was checked by parse; a header's is echoed back in one
+    except InvalidParam as e:
+        raise ApiError(400, f"X-Request-Id header: {e}", param="request_id") from None
     rid = base
     while state.async_engine.is_inflight(rid):
         rid = f"{base}-{uuid.uuid4().hex[:8]}"
@@ -269,6 +312,8 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
     try:
         stream = await ae.add(rid, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt,
                               kv_transfer_params=req.kv_transfer_params, arrival_time=time.time())
+    except InvalidParam as e:
+        raise req.api_error(e) from None
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     except EngineDeadError as e:

@@ -73,7 +73,8 @@ def test_bad_flag_values_exit_2():
     (CompletionRequest, {"prompt": "x", "top_p": 0}, "top_p"),
     (CompletionRequest, {"prompt": "x", "stop": [""]}, "stop"),
     (CompletionRequest, {"prompt": "x", "echo": True}, None),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None),
 ])
 def test_protocol_rejects(model, body, param):
