@@ -1,0 +1,67 @@
+"""Quantized weights on CPU, default model, one process: resident weight bytes and decode tokens/s per configuration.
+
+Configurations: float32 (today's default: the Q4_1 GGUF dequantized), bf16 (the dense bf16 engine), int4 (the shipped
+Q4_1 blocks kept quantized, bf16 compute), int8 (per-channel, quantized at load, bf16 compute). Decode tok/s at batch B =
+``B * D / (t(1 + D tokens) - t(1 token))`` on B random 16-token prompts, EOS ignored, prefix caching off, so that the
+prefill is subtracted out. Ratios are against bf16 and float32 of the SAME run: on a shared machine absolute numbers
+are noisy, ratios much less so.
+
+    OMP_NUM_THREADS=2 python benchmarks/quantization.py --decode-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+CONFIGS = {"float32": dict(quantization="none", dtype="float32"), "bf16": dict(quantization="none", dtype="bfloat16"),
+           "int4": dict(quantization="int4"), "int8": dict(quantization="int8")}
+
+
+def decode_tps(llm, batch: int, decode_tokens: int, rng: random.Random) -> float:
+    from pdserve.runtime import SamplingParams
+
+    def run(n: int) -> float:
+        prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(batch)]
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    return batch * decode_tokens / max(run(1 + decode_tokens) - run(1), 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    args = ap.parse_args()
+    from pdserve.runtime import LLM
+    from pdserve.runtime.quantization import weight_bytes
+
+    rng = random.Random(0)
+    results: dict[str, dict] = {}
+    for name in args.configs.split(","):
+        llm = LLM(device="cpu", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False, num_gpu_blocks=512,
+                  **CONFIGS[name])
+        row = {"dtype": str(llm.engine.dtype).removeprefix("torch."), "weight_MiB": weight_bytes(llm.engine.model) / 2**20}
+        for b in map(int, args.batches.split(",")):
+            row[f"decode_tps_b{b}"] = decode_tps(llm, b, args.decode_tokens, rng)
+        llm.shutdown()
+        results[name] = row
+        print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    base32, base16 = results.get("float32"), results.get("bf16")
+    for name, row in results.items():
+        parts = []
+        if base32:
+            parts.append(f"weights {base32['weight_MiB'] / row['weight_MiB']:.2f}x smaller than float32")
+        if base16:
+            parts += [f"b{k.rpartition('b')[2]} decode {row[k] / base16[k]:.2f}x bf16" for k in row if k.startswith("decode")]
+        print(f"{name}: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

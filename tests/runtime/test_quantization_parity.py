@@ -1,0 +1,189 @@
+"""Quantized weights end to end: greedy output vs transformers on the SAME dequantized weights, weight bytes, start-up
+errors, and ``auto`` leaving the default model exactly as before.
+
+Which is exact and which is not (why the agreement bar differs):
+
+* The dequantization itself is exact for every format (tests/runtime/test_quantization_kernels.py checks bit equality
+  with gguf-py / the compressed-tensors formula), and so is the Q8_0 embedding lookup.
+* The matmuls are not exact by construction: torch's int4/int8 CPU kernels sum in a different order than the dense
+  float32 GEMM transformers runs (and the int4 zero ``m + 8d`` is one extra float32 rounding). So the bar here is the
+  issue's >= 95% of greedy tokens (first 32 per prompt, position by position) - observed: 100% on this prompt set.
+* These runs compute in float32 (``dtype="float32"``) so that they measure the quantized weights alone; the fast
+  bfloat16 compute that ``--dtype auto`` picks for quantized CPU weights rounds activations like any bf16 engine.
+
+Prompts: the short prompts of the engine parity set (tests/runtime/test_engine_vs_hf.py), to keep the float32 int4
+path (a scalar kernel in torch) fast enough on two shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine_vs_hf import _prompts  # the engine parity prompt set (same directory)
+
+from pdserve.runtime import LLM, SamplingParams
+from pdserve.runtime.model_loader import resolve_model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+NEW = 32
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def float_dir() -> Path:
+    return resolve_model_path(None)  # the default model dequantized to float32 (what the parity tests use)
+
+
+@pytest.fixture(scope="module")
+def prompts(float_dir):
+    from pdserve.runtime.model_loader import load_tokenizer
+
+    ids = [p for p in _prompts(load_tokenizer(float_dir)) if len(p) <= 48]
+    assert len(ids) >= 8
+    return ids[:8]
+
+
+def _hf_greedy(model_dir: Path, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def _engine_greedy(prompts, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=128, **options)
+    outs = llm.generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW, temperature=0.0))
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+def _agreement(ours: list[list[int]], refs: list[list[int]]) -> float:
+    same = total = 0
+    for a, b in zip(ours, refs):
+        n = max(len(a), len(b))
+        same += sum(1 for i in range(n) if i < len(a) and i < len(b) and a[i] == b[i])
+        total += n
+    return same / total
+
+
+# ---- checkpoints written here the way llm-compressor writes them ---------------------------------------------------
+def _write_checkpoint(src: Path, dst: Path, scheme: str) -> None:
+    """A compressed-tensors checkpoint ``dst`` of the float model ``src`` plus ``dst/'dequantized'``, a plain float32
+    checkpoint holding exactly the weights the quantized one stands for (what transformers runs as the reference)."""
+    from test_quantization_kernels import pack_int32
+
+    state = load_file(str(src / "model.safetensors"))
+    quant, deq = {}, {}
+    for name, w in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in LINEARS:
+            quant[name] = deq[name] = w
+            continue
+        n, k = w.shape
+        if scheme == "w4a16":  # symmetric int4, group 64, bf16 scales, packed 8 per int32
+            scale = (w.view(n, k // 64, 64).abs().amax(-1) / 7).clamp(min=1e-8).bfloat16()
+            q = torch.round(w / scale.float().repeat_interleave(64, 1)).clamp(-8, 7).to(torch.int8)
+            quant.update({f"{module}.weight_packed": pack_int32(q, 4), f"{module}.weight_scale": scale,
+                          f"{module}.weight_shape": torch.tensor([n, k])})
+            deq[name] = scale.float().repeat_interleave(64, 1) * q.float()
+        else:  # int8, per channel, int-quantized
+            scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-8)
+            q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            quant.update({name: q, f"{module}.weight_scale": scale})
+            deq[name] = scale * q.float()
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64} \
+        if scheme == "w4a16" else {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized" if scheme == "w4a16" else "int-quantized",
+          "quantization_status": "compressed", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
+    for out, tensors, extra in ((dst, quant, {"quantization_config": qc}), (dst / "dequantized", deq, {})):
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "pdserve_source.json", "dequantized"))
+        config = json.loads((out / "config.json").read_text())
+        config.update(extra)
+        (out / "config.json").write_text(json.dumps(config))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _check(ours, refs, llm, float_bytes, max_ratio):
+    agreement = _agreement(ours, refs)
+    nbytes = _bytes(llm)
+    print(f"greedy agreement {agreement:.3f}, weights {nbytes / 2**20:.1f} MiB ({float_bytes / nbytes:.2f}x smaller)")
+    assert agreement >= 0.95, (ours, refs)
+    assert nbytes * max_ratio <= float_bytes
+
+
+def _bytes(llm) -> int:
+    from pdserve.runtime.quantization import weight_bytes
+
+    return weight_bytes(llm.engine.model)
+
+
+FLOAT32_BYTES = 538_000_000  # the default model in float32 (134.5M parameters), for the memory ratio
+
+
+def test_default_gguf_int4_keeps_q4_1_blocks(float_dir, prompts):
+    refs = _hf_greedy(float_dir, prompts)
+    ours, llm = _engine_greedy(prompts, quantization="int4")
+    try:
+        from pdserve.kernels.linear_int4_cpu import Int4Linear
+
+        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, Int4Linear)
+        _check(ours, refs, llm, FLOAT32_BYTES, 3.5)  # float32 scales here; bf16 compute (auto) reaches 4x
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "int8"])
+def test_compressed_tensors_checkpoint(tmp_path, float_dir, prompts, scheme):
+    _write_checkpoint(float_dir, tmp_path / scheme, scheme)
+    refs = _hf_greedy(tmp_path / scheme / "dequantized", prompts)
+    ours, llm = _engine_greedy(prompts, model=str(tmp_path / scheme))  # auto: served as stored
+    try:
+        layer = llm.engine.model.layers[0].self_attn.o_proj
+        assert type(layer).__name__ == {"w4a16": "Int4Linear", "int8": "Int8Linear"}[scheme]
+        _check(ours, refs, llm, FLOAT32_BYTES, 2.0)  # the float32 embedding (ignored by the scheme) stays
+    finally:
+        llm.shutdown()
+
+
+def test_auto_keeps_the_default_model_float32_and_dense():
+    llm = LLM(max_model_len=256, num_gpu_blocks=16, device="cpu")
+    try:
+        assert llm.engine.dtype == torch.float32
+        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
+        assert _bytes(llm) > 500_000_000
+    finally:
+        llm.shutdown()
+
+
+def test_corrupt_compressed_checkpoint_fails_at_start_naming_the_tensor(tmp_path, float_dir):
+    _write_checkpoint(float_dir, tmp_path / "ct", "w4a16")
+    path = tmp_path / "ct" / "model.safetensors"
+    state = load_file(str(path))
+    state.pop("model.layers.5.mlp.up_proj.weight_scale")
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.5\.mlp\.up_proj.*compressed-tensors pack-quantized int4 "
+                                         r"group.*weight_scale is missing"):
+        LLM(model=str(tmp_path / "ct"), max_model_len=256, num_gpu_blocks=16)
+
+
+def test_quantization_flag_conflicts_are_clear(tmp_path, float_dir):
+    _write_checkpoint(float_dir, tmp_path / "ct", "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(model=str(tmp_path / "ct"), quantization="int4", max_model_len=256, num_gpu_blocks=16)
+    with pytest.raises(ValueError, match="unknown quantization 'fp3'"):
+        LLM(quantization="fp3", max_model_len=256, num_gpu_blocks=16)
