@@ -1,12 +1,13 @@
 """Quantized weights on CPU, default model, one process: resident weight bytes and decode tokens/s per configuration.
 
 Configurations: float32 (today's default: the Q4_1 GGUF dequantized), bf16 (the dense bf16 engine), int4 (the shipped
-Q4_1 blocks kept quantized, bf16 compute), int8 (per-channel, quantized at load, bf16 compute). Decode tok/s at batch B =
+Q4_1 blocks kept quantized, bf16 compute on torch's int4 kernel), int8 (per-channel, quantized at load, bf16 compute),
+int4-f32 (the Q4_1 blocks, float32 compute on the exact dequantize-then-GEMM method). Decode tok/s at batch B =
 ``B * D / (t(1 + D tokens) - t(1 token))`` on B random 16-token prompts, EOS ignored, prefix caching off, so that the
 prefill is subtracted out. Ratios are against bf16 and float32 of the SAME run: on a shared machine absolute numbers
 are noisy, ratios much less so.
 
-    OMP_NUM_THREADS=2 python benchmarks/quantization.py --decode-tokens 32
+    OMP_NUM_THREADS=1 python benchmarks/quantization.py --decode-tokens 32
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import random
 import time
 
 CONFIGS = {"float32": dict(quantization="none", dtype="float32"), "bf16": dict(quantization="none", dtype="bfloat16"),
-           "int4": dict(quantization="int4"), "int8": dict(quantization="int8")}
+           "int4": dict(quantization="int4"), "int8": dict(quantization="int8"),
+           "int4-f32": dict(quantization="int4", dtype="float32")}
 
 
 def decode_tps(llm, batch: int, decode_tokens: int, rng: random.Random) -> float:

@@ -8,11 +8,10 @@ A checkpoint format (GGUF blocks, compressed-tensors, a float checkpoint quantiz
 with integer codes ``q`` one per element (not yet packed), so that the loader can fuse shards (q/k/v, gate/up) by
 concatenating rows and undo GGUF's q/k row permutation before any kernel-specific packing. A :class:`LinearMethod`
 then turns it into an ``nn.Module`` computing ``x @ w.T (+ bias)`` with its own packed layout: one file per method
-(``linear_int4_cpu.py``, ``linear_int8_cpu.py``), registered by name like the attention backends. A GPU kernel
+(``linear_dequant.py``, ``linear_int4_cpu.py``, ``linear_int8_cpu.py``), registered by name like the attention backends. A GPU kernel
 (torch's CUDA int4, a Marlin-style kernel) is one more file plus one registration line.
 
-Every module a method returns has ``weight_bytes()`` (what its tensors really occupy) and ``dequantized()`` (the float
-weight it stands for, for tests and for the error message of a shape check).
+Every module a method returns has ``weight_bytes()``: what its tensors really occupy.
 """
 
 from __future__ import annotations
@@ -74,9 +73,6 @@ class QuantLinearModule(nn.Module):
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in list(self.parameters()) + list(self.buffers()))
 
-    def dequantized(self) -> torch.Tensor:  # (N, K) float32
-        raise NotImplementedError
-
 
 class LinearMethod(ABC):
     """Builds the layer for one weight. ``dtype`` is the activation (compute) dtype; the method may refuse it."""
@@ -84,8 +80,9 @@ class LinearMethod(ABC):
     name: str = "base"
 
     @abstractmethod
-    def supports(self, weight: QuantizedWeight, device: torch.device) -> str | None:
-        """None when this method can run ``weight`` on ``device``, else the reason it cannot (shown to the user)."""
+    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when this method can run ``weight`` on ``device`` with ``dtype`` activations, else the reason it
+        cannot (shown to the user when no method can)."""
 
     @abstractmethod
     def create(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
@@ -120,14 +117,15 @@ def create_linear_method(name: str) -> LinearMethod:
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                      dtype: torch.dtype, name: str) -> QuantLinearModule:
-    """The first registered method that runs ``weight`` on ``device`` (int4 codes -> int4 kernels, int8 -> int8).
+    """The first registered method (by name) that runs ``weight`` on ``device``: on CPU, ``dequant`` for float32
+    activations (exact, and faster than torch's scalar float32 paths), ``int4_cpu`` / ``int8_cpu`` for bfloat16.
 
     ``name`` names the tensor in the error raised when no method can run it."""
     _load_builtin()
     reasons = []
     for method_name in sorted(_REGISTRY):
         method = _REGISTRY[method_name]()
-        reason = method.supports(weight, device)
+        reason = method.supports(weight, device, dtype)
         if reason is None:
             return method.create(weight, bias, device, dtype)
         reasons.append(f"{method_name}: {reason}")
@@ -138,7 +136,7 @@ def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device:
 def _load_builtin() -> None:
     import importlib
 
-    for mod in ("linear_int4_cpu", "linear_int8_cpu"):
+    for mod in ("linear_dequant", "linear_int4_cpu", "linear_int8_cpu"):
         try:
             importlib.import_module(f"pdserve.kernels.{mod}")
         except ImportError:

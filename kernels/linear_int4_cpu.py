@@ -89,7 +89,7 @@ class Int8GroupsAsInt4Linear(QuantLinearModule):
 class Int4CpuMethod(LinearMethod):
     name = "int4_cpu"
 
-    def supports(self, weight: QuantizedWeight, device: torch.device) -> str | None:
+    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cpu":
             return "runs on CPU only"
         if weight.shape[1] % 32 or _kernel_group(weight.group_size) is None:

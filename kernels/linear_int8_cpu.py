@@ -36,7 +36,7 @@ class Int8Linear(QuantLinearModule):
 class Int8CpuMethod(LinearMethod):
     name = "int8_cpu"
 
-    def supports(self, weight: QuantizedWeight, device: torch.device) -> str | None:
+    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cpu":
             return "runs on CPU only"
         if weight.bits != 8 or weight.group_size != weight.shape[1] or weight.zero is not None:

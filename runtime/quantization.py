@@ -1,10 +1,10 @@
 """``--quantization``: which weights stay quantized, and how a float checkpoint is quantized at load.
 
 ``auto``  the checkpoint decides: a compressed-tensors checkpoint is served quantized with its own scheme; everything
-          else, including GGUF files and the default model, is dequantized as before. The default model stays float32 on
-          purpose: its greedy output must equal transformers on the dequantized weights token for token, and the int4
-          kernel reorders the float32 sums (and its fast path rounds activations and scales to bfloat16), so it is
-          close but not exact by construction. Ask for ``int4`` to keep the shipped Q4_1 blocks.
+          else, including GGUF files and the default model, is dequantized at load as before. For the default model
+          this is a speed choice, not a correctness one: float32 greedy output equals transformers token for token
+          either way (see below), but per-step dequantization makes float32 decode slower than the dense weights, and
+          the fast bf16 int4 kernel is not exact. Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller).
 ``none``  dequantize everything to ``--dtype`` (compressed-tensors too).
 ``int4``  GGUF: Q4_0/Q4_1/Q8_0 tensors kept as stored (exact mapping); float checkpoints and float GGUF tensors:
           linear layers quantized group-wise at load (asymmetric, 4 bits, group 128/64/32 - the largest dividing K).
@@ -12,8 +12,14 @@
 
 The embedding and the LM head keep the format's own precision: a GGUF Q8_0 embedding stays Q8_0 (its tied LM head
 runs on the same codes); a float checkpoint's embedding and LM head stay float, as in vLLM's weight-only schemes.
-With weights quantized on CPU, ``--dtype auto`` computes in bfloat16: torch's int4 CPU kernel is vectorized for
-bfloat16 only (float32 activations take a scalar path several times slower than a dense float32 GEMM).
+
+Compute dtype and kernel (kernels/linear_*.py, picked by the registry):
+
+* ``--dtype auto`` with quantized weights on CPU computes in bfloat16 on torch's int4/int8 kernels (``int4_cpu``,
+  ``int8_cpu``): torch's int4 CPU kernel is vectorized for bfloat16 only. Fast, close, not exact.
+* ``--dtype float32`` runs ``dequant``: codes stay quantized, each forward rebuilds the float32 weight bit for bit as
+  the reference dequantization does, then the dense GEMM - greedy output equals transformers on the dequantized
+  weights token for token, by construction.
 """
 
 from __future__ import annotations

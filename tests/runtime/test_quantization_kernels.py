@@ -1,12 +1,13 @@
 """Quantized linear layers, per format: output error against the same weights dequantized, and corrupt inputs.
 
 Reference: ``x @ w_deq.T`` in float64, with ``w_deq`` the float32 dequantized weight (for GGUF, bit for bit what
-transformers loads). Tolerances, relative to the reference's largest output:
+transformers loads). Per method:
 
-* float32 activations: 1e-5 - the kernels dequantize exactly (the int4 zero ``m + 8d`` is one float32 rounding) and
-  differ only in the order of float32 sums;
-* bfloat16 activations: 2e-2 - activations, scales and zeros are rounded to bfloat16 (8 mantissa bits) by the kernel's
-  contract, before any sum.
+* ``dequant`` (what float32 activations run on): EXACT - its output equals ``F.linear(x, w_deq)`` bit for bit;
+* ``int4_cpu`` / ``int8_cpu`` with float32 activations: relative error < 1e-5 of the largest output - exact weights
+  (the int4 zero ``m + 8d`` is one float32 rounding), float32 sums in another order;
+* ``int4_cpu`` / ``int8_cpu`` with bfloat16 activations (what ``--dtype auto`` runs on CPU): < 2e-2 - activations,
+  scales and zeros are rounded to bfloat16 (8 mantissa bits) by the kernel's contract.
 """
 
 from __future__ import annotations
@@ -18,13 +19,27 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels.linear_base import QuantizedWeight, available_linear_methods, quantized_linear
+import torch.nn.functional as F
+
+from pdserve.kernels.linear_base import (QuantizedWeight, available_linear_methods, create_linear_method,
+                                         quantized_linear)
 from pdserve.runtime import compressed_tensors as ct
 from pdserve.runtime.gguf_weights import GGUFFormatError, decode_blocks
 from pdserve.runtime.quantization import QuantEmbedding, quantize_int4, quantize_int8
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _kernel(name: str, w: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None):
+    return create_linear_method(name).create(w, bias, CPU, dtype)
+
+
+def _exact(w: QuantizedWeight, ref: torch.Tensor) -> bool:
+    """The dequant method's output equals the dense float32 linear on the reference weight, bit for bit."""
+    x = torch.randn(7, ref.shape[1])
+    layer = quantized_linear(w, None, CPU, torch.float32, "t")
+    return type(layer).__name__ == "DequantLinear" and torch.equal(layer(x), F.linear(x, ref))
 
 
 def _rel_err(layer, w_deq: torch.Tensor, dtype: torch.dtype, m: int = 5) -> float:
@@ -65,9 +80,12 @@ def test_gguf_blocks_kept_quantized(type_name, dtype):
     w = decode_blocks(raw, type_name, (n, k), "blk.0.attn_q.weight")
     ref = _gguf_reference(type_name, raw, n, k)
     assert torch.equal(w.dequantize(), ref)  # decoding is exact: same float32 operations as gguf-py
-    layer = quantized_linear(w, None, CPU, dtype, "blk.0.attn_q.weight")
+    assert _exact(w, ref)
+    layer = _kernel("int4_cpu", w, dtype)
     assert type(layer).__name__ == ("Int4Linear" if type_name != "Q8_0" else "Int8GroupsAsInt4Linear")
     assert _rel_err(layer, ref, dtype) < TOL[dtype]
+    if dtype == torch.bfloat16:  # what the registry picks for bf16 on CPU
+        assert type(quantized_linear(w, None, CPU, dtype, "t")) is type(layer)
     # Memory: 4-bit codes pack two per byte (plus one scale/zero pair per 32 weights).
     if type_name != "Q8_0":
         assert layer.packed.nbytes == n * k // 2
@@ -78,7 +96,7 @@ def test_q4_1_maps_onto_the_int4_kernel_formula():
     n, k = 64, 64
     raw = _encode("Q4_1", n, k, seed=3)
     w = decode_blocks(raw, "Q4_1", (n, k), "t")
-    layer = quantized_linear(w, None, CPU, torch.float32, "t")
+    layer = _kernel("int4_cpu", w, torch.float32)
     s, z = layer.scale_zeros[..., 0].T, layer.scale_zeros[..., 1].T                     # (N, K/32)
     assert torch.equal(s, w.scale) and torch.allclose(z.double(), (w.zero + 8 * w.scale).double(), rtol=1e-7)
     eye = torch.eye(k)                                                                  # x = I reads the weight back
@@ -105,8 +123,9 @@ def test_shipped_gguf_layers_match_transformers_weights(tmp_path):
         w = decode_blocks(raw, kind, (min(n, 512), k), t.name)
         ref = _gguf_reference(kind, raw, min(n, 512), k)
         assert torch.equal(w.dequantize(), ref), t.name
+        assert _exact(w, ref), t.name
         for dtype in TOL:
-            assert _rel_err(quantized_linear(w, None, CPU, dtype, t.name), ref, dtype) < TOL[dtype], (t.name, dtype)
+            assert _rel_err(_kernel("int4_cpu", w, dtype), ref, dtype) < TOL[dtype], (t.name, dtype)
     assert seen == {"Q4_1", "Q8_0"}
 
 
@@ -124,7 +143,8 @@ def test_q8_0_embedding_rows_are_exact():
 def test_int8_per_channel(dtype):
     w = torch.randn(192, 576) * 0.05
     qw = quantize_int8(w)
-    layer = quantized_linear(qw, None, CPU, dtype, "o_proj.weight")
+    assert _exact(qw, qw.dequantize())
+    layer = _kernel("int8_cpu", qw, dtype)
     assert type(layer).__name__ == "Int8Linear" and layer.q.dtype == torch.int8
     assert _rel_err(layer, qw.dequantize(), dtype) < TOL[dtype]
     assert (qw.dequantize() - w).abs().max() <= qw.scale.max() / 2 + 1e-7  # round-to-nearest: half a step
@@ -135,7 +155,8 @@ def test_int4_group_wise_with_bias(k):
     w, bias = torch.randn(128, k) * 0.05, torch.randn(128)
     qw = quantize_int4(w)
     assert qw.group_size in (64, 128) and k % qw.group_size == 0
-    layer = quantized_linear(qw, bias, CPU, torch.float32, "down_proj.weight")
+    assert _exact(qw, qw.dequantize())
+    layer = _kernel("int4_cpu", qw, torch.float32, bias)
     x = torch.randn(3, k)
     ref = x.double() @ qw.dequantize().double().T + bias.double()
     assert float((layer(x).double() - ref).abs().max() / ref.abs().max()) < TOL[torch.float32]
@@ -144,10 +165,10 @@ def test_int4_group_wise_with_bias(k):
 
 
 def test_registry_names_the_tensor_when_no_kernel_fits():
-    assert {"int4_cpu", "int8_cpu"} <= set(available_linear_methods())
+    assert {"dequant", "int4_cpu", "int8_cpu"} <= set(available_linear_methods())
     w = QuantizedWeight(torch.zeros(8, 40, dtype=torch.uint8), torch.ones(8, 2), None, 20, 4, "GGUF Q4_1")
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.down_proj\.weight.*GGUF Q4_1"):
-        quantized_linear(w, None, CPU, torch.float32, "model.layers.3.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.down_proj\.weight.*GGUF Q4_1.*int4_cpu: needs"):
+        quantized_linear(w, None, CPU, torch.bfloat16, "model.layers.3.mlp.down_proj.weight")
 
 
 # ---- compressed-tensors -------------------------------------------------------------------------------------------
@@ -193,8 +214,8 @@ def test_compressed_tensors_w4a16_group(dtype):
     w = out["model.layers.0.mlp.down_proj.weight"]
     assert isinstance(w, QuantizedWeight) and torch.equal(w.q, q) and out["model.norm.weight"].shape == (k,)
     ref = scale.float().repeat_interleave(g, 1) * q.float()
-    assert torch.equal(w.dequantize(), ref)
-    assert _rel_err(quantized_linear(w, None, CPU, dtype, "down_proj"), ref, dtype) < TOL[dtype]
+    assert torch.equal(w.dequantize(), ref) and _exact(w, ref)
+    assert _rel_err(_kernel("int4_cpu", w, dtype), ref, dtype) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -205,8 +226,8 @@ def test_compressed_tensors_int8_channel(dtype):
     tensors = [("model.layers.0.self_attn.o_proj.weight", q), ("model.layers.0.self_attn.o_proj.weight_scale", scale),
                ("model.layers.0.self_attn.o_proj.input_scale", torch.ones(1))]
     w = dict(ct.iter_weights(iter(tensors), _Cfg("int-quantized", 8, "channel")))["model.layers.0.self_attn.o_proj.weight"]
-    layer = quantized_linear(w, None, CPU, dtype, "o_proj")
-    assert type(layer).__name__ == "Int8Linear"
+    assert _exact(w, scale * q.float())
+    layer = _kernel("int8_cpu", w, dtype)
     assert _rel_err(layer, scale * q.float(), dtype) < TOL[dtype]
 
 

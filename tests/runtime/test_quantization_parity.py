@@ -3,16 +3,17 @@ errors, and ``auto`` leaving the default model exactly as before.
 
 Which is exact and which is not (why the agreement bar differs):
 
-* The dequantization itself is exact for every format (tests/runtime/test_quantization_kernels.py checks bit equality
-  with gguf-py / the compressed-tensors formula), and so is the Q8_0 embedding lookup.
-* The matmuls are not exact by construction: torch's int4/int8 CPU kernels sum in a different order than the dense
-  float32 GEMM transformers runs (and the int4 zero ``m + 8d`` is one extra float32 rounding). So the bar here is the
-  issue's >= 95% of greedy tokens (first 32 per prompt, position by position) - observed: 100% on this prompt set.
-* These runs compute in float32 (``dtype="float32"``) so that they measure the quantized weights alone; the fast
-  bfloat16 compute that ``--dtype auto`` picks for quantized CPU weights rounds activations like any bf16 engine.
+* float32 compute (``dtype="float32"``) runs quantized weights on the ``dequant`` method: codes stay quantized in memory
+  and each forward rebuilds the float32 weight with the same operations as the reference dequantization (bit equality
+  checked in tests/runtime/test_quantization_kernels.py), then the same dense GEMM. Exact by construction, so greedy
+  output must equal transformers on the dequantized weights TOKEN FOR TOKEN (all formats: GGUF Q4_1 + Q8_0 embedding,
+  compressed-tensors W4A16 and INT8).
+* bfloat16 compute (what ``--dtype auto`` picks for quantized weights on CPU) runs torch's int4/int8 kernels, which
+  round activations, scales and zeros to bfloat16: not exact, so the bar is the issue's >= 95% of greedy tokens (first
+  32 per prompt, position by position) against the same float32 transformers reference.
 
-Prompts: the short prompts of the engine parity set (tests/runtime/test_engine_vs_hf.py), to keep the float32 int4
-path (a scalar kernel in torch) fast enough on two shared cores.
+Prompts: the short prompts of the engine parity set (tests/runtime/test_engine_vs_hf.py), 32 new tokens, to keep it
+fast on two shared cores.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _hf_greedy(model_dir: Path, prompts) -> list[list[int]]:
 
 
 def _engine_greedy(prompts, **options) -> tuple[list[list[int]], LLM]:
-    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=128, **options)
+    llm = LLM(max_model_len=512, num_gpu_blocks=128, device="cpu", **options)
     outs = llm.generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW, temperature=0.0))
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
@@ -118,12 +119,16 @@ def _write_checkpoint(src: Path, dst: Path, scheme: str) -> None:
                   metadata={"format": "pt"})
 
 
-def _check(ours, refs, llm, float_bytes, max_ratio):
+def _check(ours, refs, llm, float_bytes, min_ratio, exact: bool):
     agreement = _agreement(ours, refs)
     nbytes = _bytes(llm)
-    print(f"greedy agreement {agreement:.3f}, weights {nbytes / 2**20:.1f} MiB ({float_bytes / nbytes:.2f}x smaller)")
-    assert agreement >= 0.95, (ours, refs)
-    assert nbytes * max_ratio <= float_bytes
+    print(f"{llm.engine.dtype}: greedy agreement {agreement:.3f}, weights {nbytes / 2**20:.1f} MiB "
+          f"({float_bytes / nbytes:.2f}x smaller than float32)")
+    if exact:
+        assert ours == refs
+    else:
+        assert agreement >= 0.95, (ours, refs)
+    assert nbytes * min_ratio <= float_bytes
 
 
 def _bytes(llm) -> int:
@@ -135,27 +140,39 @@ def _bytes(llm) -> int:
 FLOAT32_BYTES = 538_000_000  # the default model in float32 (134.5M parameters), for the memory ratio
 
 
-def test_default_gguf_int4_keeps_q4_1_blocks(float_dir, prompts):
-    refs = _hf_greedy(float_dir, prompts)
-    ours, llm = _engine_greedy(prompts, quantization="int4")
-    try:
-        from pdserve.kernels.linear_int4_cpu import Int4Linear
+@pytest.fixture(scope="module")
+def default_refs(float_dir, prompts):
+    return _hf_greedy(float_dir, prompts)
 
-        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, Int4Linear)
-        _check(ours, refs, llm, FLOAT32_BYTES, 3.5)  # float32 scales here; bf16 compute (auto) reaches 4x
+
+# (dtype, expected linear module, token-for-token?, min memory ratio vs float32). The bf16 memory ratio is the issue's
+# >= 4x goal; float32 keeps float32 scales and one code per byte for Q8_0, hence less.
+DEFAULT_CASES = [("float32", "DequantLinear", True, 3.0), ("auto", "Int4Linear", False, 4.0)]
+
+
+@pytest.mark.parametrize("dtype, module, exact, ratio", DEFAULT_CASES)
+def test_default_gguf_int4_keeps_q4_1_blocks(default_refs, prompts, dtype, module, exact, ratio):
+    ours, llm = _engine_greedy(prompts, quantization="int4", dtype=dtype)
+    try:
+        assert type(llm.engine.model.layers[0].mlp.gate_up_proj).__name__ == module
+        assert type(llm.engine.model.embed_tokens).__name__ == "QuantEmbedding"  # Q8_0 kept, tied LM head on it
+        _check(ours, refs := default_refs, llm, FLOAT32_BYTES, ratio, exact)
+        assert len(refs) == len(prompts)
     finally:
         llm.shutdown()
 
 
 @pytest.mark.parametrize("scheme", ["w4a16", "int8"])
-def test_compressed_tensors_checkpoint(tmp_path, float_dir, prompts, scheme):
+@pytest.mark.parametrize("dtype, exact", [("float32", True), ("auto", False)])
+def test_compressed_tensors_checkpoint(tmp_path, float_dir, prompts, scheme, dtype, exact):
     _write_checkpoint(float_dir, tmp_path / scheme, scheme)
     refs = _hf_greedy(tmp_path / scheme / "dequantized", prompts)
-    ours, llm = _engine_greedy(prompts, model=str(tmp_path / scheme))  # auto: served as stored
+    ours, llm = _engine_greedy(prompts, model=str(tmp_path / scheme), dtype=dtype)  # auto: served as stored
     try:
         layer = llm.engine.model.layers[0].self_attn.o_proj
-        assert type(layer).__name__ == {"w4a16": "Int4Linear", "int8": "Int8Linear"}[scheme]
-        _check(ours, refs, llm, FLOAT32_BYTES, 2.0)  # the float32 embedding (ignored by the scheme) stays
+        kernel = {"w4a16": "Int4Linear", "int8": "Int8Linear"}[scheme]
+        assert type(layer).__name__ == ("DequantLinear" if dtype == "float32" else kernel)
+        _check(ours, refs, llm, FLOAT32_BYTES, 1.5, exact)  # the float32 embedding (ignored by the scheme) stays
     finally:
         llm.shutdown()
 
