@@ -4,10 +4,10 @@ Configurations: float32 (today's default: the Q4_1 GGUF dequantized), bf16 (the 
 Q4_1 blocks kept quantized, bf16 compute on torch's int4 kernel), int8 (per-channel, quantized at load, bf16 compute),
 int4-f32 (the Q4_1 blocks, float32 compute on the exact dequantize-then-GEMM method). Decode tok/s at batch B =
 ``B * D / (t(1 + D tokens) - t(1 token))`` on B random 16-token prompts, EOS ignored, prefix caching off, so that the
-prefill is subtracted out. Ratios are against bf16 and float32 of the SAME run: on a shared machine absolute numbers
-are noisy, ratios much less so.
+prefill is subtracted out. All configurations stay loaded and are measured round-robin for ``--rounds`` rounds (median
+reported), so that load drift on a shared machine hits them alike; ratios are against bf16 and float32 of the SAME run.
 
-    OMP_NUM_THREADS=1 python benchmarks/quantization.py --decode-tokens 32
+    OMP_NUM_THREADS=1 python benchmarks/quantization.py --decode-tokens 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 CONFIGS = {"float32": dict(quantization="none", dtype="float32"), "bf16": dict(quantization="none", dtype="bfloat16"),
@@ -40,18 +41,24 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from pdserve.runtime import LLM
     from pdserve.runtime.quantization import weight_bytes
 
     rng = random.Random(0)
+    names, batches = args.configs.split(","), [int(b) for b in args.batches.split(",")]
+    llms = {name: LLM(device="cpu", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False,
+                      num_gpu_blocks=512, **CONFIGS[name]) for name in names}
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for b in batches:
+            for name in names:
+                samples.setdefault((name, b), []).append(decode_tps(llms[name], b, args.decode_tokens, rng))
     results: dict[str, dict] = {}
-    for name in args.configs.split(","):
-        llm = LLM(device="cpu", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False, num_gpu_blocks=512,
-                  **CONFIGS[name])
+    for name, llm in llms.items():
         row = {"dtype": str(llm.engine.dtype).removeprefix("torch."), "weight_MiB": weight_bytes(llm.engine.model) / 2**20}
-        for b in map(int, args.batches.split(",")):
-            row[f"decode_tps_b{b}"] = decode_tps(llm, b, args.decode_tokens, rng)
+        row.update({f"decode_tps_b{b}": statistics.median(samples[(name, b)]) for b in batches})
         llm.shutdown()
         results[name] = row
         print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
