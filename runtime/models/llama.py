@@ -234,6 +234,15 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         self._quantized: dict[str, QuantizedWeight] = {}  # module name -> weight, built once biases are loaded
         self._quantize_at_load = quantize_at_load
+        try:
+            self._load(weights, params, shards, loaded, device, dtype)
+        finally:
+            del self._quantized, self._quantize_at_load  # drop the unpacked codes: only the packed modules stay
+        freqs = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), rope_inv_freq(self.args, self.max_model_len))
+        emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
+        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
+
+    def _load(self, weights, params, shards, loaded, device, dtype) -> None:
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -269,9 +278,6 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        freqs = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), rope_inv_freq(self.args, self.max_model_len))
-        emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
-        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
 
     def _assign(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, device, dtype) -> None:
         if name not in params:
@@ -280,9 +286,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         module_name, _, attr = name.rpartition(".")
         module = self.get_submodule(module_name)
-        if attr == "weight" and self._quantize_at_load is not None and not isinstance(tensor, QuantizedWeight) \
+        quantize = getattr(self, "_quantize_at_load", None)
+        if quantize is not None and attr == "weight" and not isinstance(tensor, QuantizedWeight) \
                 and module_name.split(".", 2)[-1] in _LINEARS:
-            tensor = self._quantize_at_load(tensor)
+            tensor = quantize(tensor)
         if isinstance(tensor, QuantizedWeight):
             if isinstance(module, nn.Embedding):
                 from pdserve.runtime.quantization import QuantEmbedding
