@@ -313,3 +313,23 @@ def test_gguf_file_round_trip_and_unsupported_architecture(tmp_path):
     _write_gguf(other, "gpt2", [("blk.0.ffn_up.weight", raw, "Q4_1")])
     with pytest.raises(GGUFFormatError, match="architecture 'gpt2'; only 'llama'"):
         list(iter_gguf_weights(other, 1, 1))
+
+
+def test_w4a16_tensors_round_trip_through_the_compressed_tensors_package():
+    """The package's own compressor writes what our reader decodes, and decompresses what our test writer packs."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    n, k, g = 32, 576, 64
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                                                                            strategy="group", group_size=g))
+    scale = torch.rand(n, k // g) * 0.01 + 1e-3
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    weight = q.float() * scale.repeat_interleave(g, 1)
+    theirs = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale}, scheme)
+    assert torch.equal(theirs["weight_packed"], pack_int32(q, 4))
+    ours = dict(ct.iter_weights(iter((f"m.{k_}", v) for k_, v in theirs.items()), _Cfg("pack-quantized", 4, "group", g)))
+    assert torch.equal(ours["m.weight"].dequantize(), weight)
+    back = PackedQuantizationCompressor.decompress(theirs, scheme)["weight"]
+    assert torch.equal(back.float(), weight)
