@@ -17,11 +17,13 @@ class Int8Linear(QuantLinearModule):
     def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = w.shape
-        self.register_buffer("q", w.q.to(device=device, dtype=torch.int8).contiguous())    # (N, K)
-        self.register_buffer("scale", w.scale[:, 0].to(device=device, dtype=dtype).contiguous())  # (N,)
+        # Fresh copies: a tensor read from safetensors may sit at any byte offset of the file's buffer, and the
+        # kernel's vector loads crash (SIGSEGV, torch 2.15, M >= 4) on an int8 weight that is not 64-byte aligned.
+        self.register_buffer("q", w.q.to(device=device, dtype=torch.int8).clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", w.scale[:, 0].to(device=device, dtype=dtype).clone())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.scale.dtype:

@@ -333,3 +333,15 @@ def test_w4a16_tensors_round_trip_through_the_compressed_tensors_package():
     assert torch.equal(ours["m.weight"].dequantize(), weight)
     back = PackedQuantizationCompressor.decompress(theirs, scheme)["weight"]
     assert torch.equal(back.float(), weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weight_at_an_unaligned_offset(dtype):
+    """A weight read from safetensors can sit at any byte offset; torch's int8 kernel crashed on such a weight
+    (SIGSEGV at 5+ rows in bf16) until Int8Linear copied it."""
+    n, k = 64, 576
+    q = torch.empty(n * k + 1, dtype=torch.int8)[1:].view(n, k)
+    q.copy_(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+    assert q.data_ptr() % 64
+    w = QuantizedWeight(q, torch.rand(n, 1) * 1e-2, None, k, 8, "compressed-tensors int-quantized")
+    assert _rel_err(_kernel("int8_cpu", w, dtype), w.dequantize(), dtype, m=17) < TOL[dtype]
