@@ -28,7 +28,10 @@ class Int8Linear(QuantLinearModule):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.scale.dtype:
             x2 = x2.to(self.scale.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)      # (T, N)
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 64:  # same alignment hazard as the weight (see __init__)
+            x2 = x2.clone()
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)                    # (T, N)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*lead, self.out_features)
