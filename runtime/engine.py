@@ -21,6 +21,7 @@ from pdserve.runtime.detokenizer import IncrementalDetokenizer
 from pdserve.runtime.kv_events import KVEvent
 from pdserve.runtime.model_runner import ModelRunner, determine_num_blocks, kv_block_bytes
 from pdserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.runtime.quantization import weight_bytes
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -66,6 +67,7 @@ class LLMEngine:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_model(config.model, self.device, config.attention_backend)
         self.model = loaded.model
+        self.weight_bytes = weight_bytes(loaded.model)  # what the weights really take, quantized or not
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.served_model_name = loaded.served_model_name

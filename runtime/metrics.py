@@ -123,9 +123,16 @@ class ServerMetrics:
                                           registry=r).labels(model_name)
         self.kv_event_batches = Counter("pdserve:kv_event_batches_published", "KV event batches published.", m,
                                         registry=r).labels(model_name)
+        self.model_weight_bytes = Gauge("pdserve:model_weight_bytes",
+                                        "Bytes the model weights occupy (quantized codes and scales included).", m,
+                                        registry=r).labels(model_name)
         self._max_batch = 0
         for reason in ("queue_full", "draining"):   # exist from start: rate() and alerts see 0, not nothing
             self._rejected.labels(model_name, reason)
+
+    def set_model_weight_bytes(self, nbytes: int) -> None:
+        """Set once at start-up from ``LoadedModel.weight_bytes`` (what the weights really take, quantized or not)."""
+        self.model_weight_bytes.set(nbytes)
 
     def set_engine_stats(self, stats: Any) -> None:
         self._stats.stats = stats

@@ -11,7 +11,9 @@ A model reference is one of:
 Conversions write into a temporary sibling directory and ``rename`` it into place, so concurrent processes either see a
 complete cache directory or none; a loser of the race discards its copy.
 
-Weights are read from safetensors by our code (HF parameter names), never by instantiating the HF model.
+Weights are read from safetensors by our code (HF parameter names), never by instantiating the HF model. With
+``--quantization`` (runtime/quantization.py) they may instead stay quantized: GGUF blocks read from the GGUF file itself
+(runtime/gguf_weights.py), compressed-tensors codes (runtime/compressed_tensors.py), or float weights quantized at load.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class LoadedModel:
     dtype: torch.dtype
     served_model_name: str
     max_model_len: int
+    weight_bytes: int = 0   # what the weights really occupy (quantized codes and scales included)
+    quantization: str = "none"  # the plan's description, for logs
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
@@ -67,8 +71,10 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     return _download_from_hub(model, revision)
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (bf16/fp16 matmuls are slow on many CPUs and float32 is what HF matches exactly);
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device,
+                  quantized: bool = False) -> torch.dtype:
+    """``auto``: bfloat16 on CPU for quantized weights (torch's int4 CPU kernel is vectorized for bfloat16 only), else
+    float32 on CPU (bf16/fp16 matmuls are slow on many CPUs and float32 is what HF matches exactly);
     on CUDA the checkpoint's dtype when it is a 16-bit type, else bfloat16 (a float32 checkpoint, e.g. a dequantized
     GGUF, would waste half the memory bandwidth)."""
     if dtype != "auto":
@@ -76,7 +82,7 @@ def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torc
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if quantized else torch.float32
     if checkpoint_dtype in (torch.bfloat16, torch.float16):
         return checkpoint_dtype
     return torch.bfloat16
@@ -94,37 +100,73 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
     from transformers import AutoConfig
 
     from pdserve.kernels import select_backend
+    from pdserve.runtime import compressed_tensors
+    from pdserve.runtime.quantization import plan
 
     device = torch.device(device)
     path = resolve_model_path(model_config.model, model_config.revision)
     hf_config = AutoConfig.from_pretrained(str(path))
+    gguf = _default_gguf_path() if model_config.model is None else (
+        Path(model_config.model).expanduser().resolve() if model_config.model.endswith(".gguf") else gguf_source(path))
+    qplan = plan(model_config.quantization, gguf_source=gguf is not None,
+                 compressed=compressed_tensors.is_compressed_tensors(hf_config))
     checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
-    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device)
+    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype, device, qplan.quantized)
     max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     if max_model_len > hf_config.max_position_embeddings and rope.get("rope_type") != "dynamic":
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{hf_config.max_position_embeddings}")
     model = build_model(path, hf_config, device, dtype, select_backend(attention_backend, device, dtype),
-                        max_model_len)
+                        max_model_len, qplan, gguf)
     tokenizer = load_tokenizer(model_config.tokenizer or path)
+    from pdserve.runtime.quantization import weight_bytes
+
+    nbytes = weight_bytes(model)
+    logger.info("model weights: %.1f MiB on %s (%s, quantization: %s)", nbytes / 2**20, device,
+                str(dtype).removeprefix("torch."), qplan.description)
     return LoadedModel(
         model=model, hf_config=hf_config, tokenizer=tokenizer, model_path=path, dtype=dtype,
         served_model_name=model_config.served_model_name or path.name, max_model_len=max_model_len,
+        weight_bytes=nbytes, quantization=qplan.description,
     )
 
 
 def build_model(path: Path, hf_config: Any, device: torch.device, dtype: torch.dtype, backend: Any,
-                max_model_len: int) -> torch.nn.Module:
-    """Our model for ``hf_config`` with the safetensors weights in ``path``, materialized on ``device`` in eval mode."""
+                max_model_len: int, qplan: Any = None, gguf: Path | None = None) -> torch.nn.Module:
+    """Our model for ``hf_config`` with the weights of ``path`` (or of the GGUF file it was converted from, when the
+    plan keeps GGUF blocks), materialized on ``device`` in eval mode."""
+    from pdserve.runtime import compressed_tensors
+    from pdserve.runtime.gguf_weights import iter_gguf_weights
     from pdserve.runtime.models import get_model_class
+    from pdserve.runtime.quantization import quantize_int4, quantize_int8
 
     with torch.device("meta"):  # no throwaway random init: load_weights materializes every parameter
         model = get_model_class(hf_config)(hf_config, backend=backend, max_model_len=max_model_len)
-    model.load_weights(_iter_safetensors(path), device=device, dtype=dtype)
+    source = qplan.source if qplan is not None else "float"
+    if source == "gguf":
+        assert gguf is not None
+        weights: Any = iter_gguf_weights(gguf, model.args.num_heads, model.args.num_kv_heads)
+    elif compressed_tensors.is_compressed_tensors(hf_config):
+        weights = compressed_tensors.iter_weights(_iter_safetensors(path), hf_config)
+        if source == "float":  # --quantization none: dequantize at load
+            weights = ((n, w.dequantize() if hasattr(w, "dequantize") else w) for n, w in weights)
+    else:
+        weights = _iter_safetensors(path)
+    at_load = {"int8": quantize_int8, "int4": quantize_int4}.get(getattr(qplan, "quantize_at_load", None) or "")
+    model.load_weights(weights, device=device, dtype=dtype, quantize_at_load=at_load)
     return model.eval()
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a cached conversion directory was made from (its ``pdserve_source.json``), else None."""
+    marker = path / "pdserve_source.json"
+    if not marker.is_file():
+        return None
+    gguf = Path(json.loads(marker.read_text())["gguf"])
+    return gguf if gguf.is_file() else None
 
 
 def _iter_safetensors(path: Path):

@@ -80,6 +80,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
               kv_publisher: KVEventPublisher | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; the engine loop thread runs for the app's lifespan."""
     metrics = ServerMetrics(engine.served_model_name)
+    metrics.set_model_weight_bytes(getattr(engine, "weight_bytes", 0))  # (test doubles of the engine have none)
     state = _State(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
     builder = ResponseBuilder(engine)
     kv_fingerprint = drain_mod.fingerprint(engine)

@@ -9,7 +9,7 @@ float32 cos/sin cast to the compute dtype) so that float32 greedy output matches
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.base import AttentionBackend, AttentionMetadata
+from pdserve.kernels.linear_base import QuantizedWeight, quantized_linear
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ _FUSED = {
 }
 
 _NUM_SHARDS = {ours: sum(1 for o, _ in _FUSED.values() if o == ours) for ours, _ in _FUSED.values()}
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # quantized at load
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("cos_sin", None, persistent=False)  # (max_model_len, 2, D) float32, set by load_weights
+        self.quant_head: nn.Module | None = None  # tied LM head over a quantized embedding (see load_weights)
 
     def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)                                  # (T, hidden)
@@ -210,15 +213,36 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant_head is not None:
+            return self.quant_head(hidden).float()                        # (N, vocab)
+        if not isinstance(self.lm_head, (nn.Linear, type(None))):
+            return self.lm_head(hidden).float()                           # a quantized LM head
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()                           # (N, vocab)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype) -> None:
-        """Materialize every parameter from ``(hf_name, tensor)`` pairs; raises on missing or unexpected weights."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], device: torch.device,
+                     dtype: torch.dtype, quantize_at_load: Callable[[torch.Tensor], QuantizedWeight] | None = None,
+                     ) -> None:
+        """Materialize every parameter from ``(hf_name, tensor)`` pairs; raises on missing or unexpected weights.
+
+        A value may be a :class:`QuantizedWeight` (GGUF blocks, compressed-tensors): a linear layer then becomes the
+        quantized linear of the registry, the embedding a quantized lookup (and, when tied, the LM head too).
+        ``quantize_at_load`` turns the float weights of the decoder's linear layers into quantized ones."""
         params = dict(self.named_parameters())
         shards: dict[str, dict[int, torch.Tensor]] = {}
         loaded: set[str] = set()
+        self._quantized: dict[str, QuantizedWeight] = {}  # module name -> weight, built once biases are loaded
+        self._quantize_at_load = quantize_at_load
+        try:
+            self._load(weights, params, shards, loaded, device, dtype)
+        finally:
+            del self._quantized, self._quantize_at_load  # drop the unpacked codes: only the packed modules stay
+        freqs = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), rope_inv_freq(self.args, self.max_model_len))
+        emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
+        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
+
+    def _load(self, weights, params, shards, loaded, device, dtype) -> None:
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -235,14 +259,25 @@ class LlamaForCausalLM(nn.Module):
             # "layers.{i}.mlp.gate_up_proj.weight" -> "mlp.gate_up_proj"
             if len(parts) != _NUM_SHARDS[name.rpartition(".")[0].split(".", 2)[-1]]:
                 continue  # incomplete: reported as missing below
-            self._assign(params, name, torch.cat([parts[i] for i in sorted(parts)], dim=0), device, dtype)
+            ordered = [parts[i] for i in sorted(parts)]
+            if all(isinstance(p, QuantizedWeight) for p in ordered):
+                fused: torch.Tensor | QuantizedWeight = QuantizedWeight.cat(ordered)
+            elif any(isinstance(p, QuantizedWeight) for p in ordered):
+                fused = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in ordered])
+            else:
+                fused = torch.cat(ordered, dim=0)
+            self._assign(params, name, fused, device, dtype)
             loaded.add(name)
+        for module_name, qw in self._quantized.items():
+            parent, _, child = module_name.rpartition(".")
+            bias = getattr(self.get_submodule(module_name), "bias", None)
+            if bias is not None and bias.is_meta:
+                continue  # bias missing: reported below
+            setattr(self.get_submodule(parent) if parent else self, child,
+                    quantized_linear(qw, bias, torch.device(device), dtype, f"{module_name}.weight"))
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        freqs = torch.outer(torch.arange(self.max_model_len, dtype=torch.float32), rope_inv_freq(self.args, self.max_model_len))
-        emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
-        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
 
     def _assign(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, device, dtype) -> None:
         if name not in params:
@@ -251,4 +286,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         module_name, _, attr = name.rpartition(".")
         module = self.get_submodule(module_name)
+        quantize = getattr(self, "_quantize_at_load", None)
+        if quantize is not None and attr == "weight" and not isinstance(tensor, QuantizedWeight) \
+                and module_name.split(".", 2)[-1] in _LINEARS:
+            tensor = quantize(tensor)
+        if isinstance(tensor, QuantizedWeight):
+            if isinstance(module, nn.Embedding):
+                from pdserve.runtime.quantization import QuantEmbedding
+
+                self.embed_tokens = QuantEmbedding(tensor, torch.device(device), dtype)
+                if self.lm_head is None:  # tied: the LM head reads the same codes
+                    self.quant_head = quantized_linear(tensor, None, torch.device(device), dtype, name)
+            elif isinstance(module, nn.Linear):
+                self._quantized[module_name] = tensor
+            else:
+                raise ValueError(f"weight {name!r} is quantized ({tensor.fmt}) but {type(module).__name__} "
+                                 "parameters must be float")
+            return
         setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))

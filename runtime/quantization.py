@@ -1,0 +1,121 @@
+"""``--quantization``: which weights stay quantized, and how a float checkpoint is quantized at load.
+
+``auto``  the checkpoint decides: a compressed-tensors checkpoint is served quantized with its own scheme; everything
+          else, including GGUF files and the default model, is dequantized at load as before. For the default model
+          this is a speed choice, not a correctness one: float32 greedy output equals transformers token for token
+          either way (see below), but per-step dequantization makes float32 decode slower than the dense weights, and
+          the fast bf16 int4 kernel is not exact. Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller).
+``none``  dequantize everything to ``--dtype`` (compressed-tensors too).
+``int4``  GGUF: Q4_0/Q4_1/Q8_0 tensors kept as stored (exact mapping); float checkpoints and float GGUF tensors:
+          linear layers quantized group-wise at load (asymmetric, 4 bits, group 128/64/32 - the largest dividing K).
+``int8``  linear layers per-channel symmetric int8, quantized at load from the (dequantized) float weights.
+
+The embedding and the LM head keep the format's own precision: a GGUF Q8_0 embedding stays Q8_0 (its tied LM head
+runs on the same codes); a float checkpoint's embedding and LM head stay float, as in vLLM's weight-only schemes.
+
+Compute dtype and kernel (kernels/linear_*.py, picked by the registry):
+
+* ``--dtype auto`` with quantized weights on CPU computes in bfloat16 on torch's int4/int8 kernels (``int4_cpu``,
+  ``int8_cpu``): torch's int4 CPU kernel is vectorized for bfloat16 only. Fast, close, not exact.
+* ``--dtype float32`` runs ``dequant``: codes stay quantized, each forward rebuilds the float32 weight bit for bit as
+  the reference dequantization does, then the dense GEMM - greedy output equals transformers on the dequantized
+  weights token for token, by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from pdserve.kernels.linear_base import QuantizedWeight
+
+Quantization = Literal["auto", "none", "int8", "int4"]
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What the loader does for one model: where the weights come from and which linears get quantized at load."""
+
+    source: Literal["float", "gguf", "compressed-tensors"]  # float: safetensors as is (dequantized if needed)
+    quantize_at_load: Literal["int8", "int4"] | None         # for float linear weights
+    description: str                                         # for the start-up log
+
+    @property
+    def quantized(self) -> bool:
+        return self.source != "float" or self.quantize_at_load is not None
+
+
+def plan(quantization: str, *, gguf_source: bool, compressed: bool) -> QuantPlan:
+    """The plan for ``--quantization`` on a checkpoint that is a GGUF file and/or compressed-tensors."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if compressed:
+        if quantization in ("int8", "int4"):
+            raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (compressed-tensors); "
+                             "use auto to serve it as is or none to dequantize it")
+        if quantization == "auto":
+            return QuantPlan("compressed-tensors", None, "compressed-tensors, kept quantized")
+        return QuantPlan("float", None, "compressed-tensors, dequantized at load")
+    if quantization == "int4" and gguf_source:
+        return QuantPlan("gguf", "int4", "GGUF blocks kept quantized (float linears -> int4)")
+    if quantization in ("int8", "int4"):
+        return QuantPlan("float", quantization, f"weight-only {quantization}, quantized at load")
+    return QuantPlan("float", None, "none" if not gguf_source else "GGUF dequantized at load")
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Per-channel symmetric int8: ``scale = max|w_n| / 127``, ``q = round(w / scale)``."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)          # (N, 1)
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(q, scale, None, w.shape[1], 8, "int8 (quantized at load)")
+
+
+def int4_group_size(k: int) -> int:
+    g = next((g for g in (128, 64, 32) if k % g == 0), None)
+    if g is None:
+        raise ValueError(f"int4 needs in_features divisible by 32, got {k}")
+    return g
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Group-wise asymmetric 4-bit: per group ``scale = (max - min) / 15``, ``w ~ scale * q + min``, q in [0, 15]."""
+    w = w.float()
+    n, k = w.shape
+    g = group_size or int4_group_size(k)
+    wg = w.view(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)                                            # (N, G)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return QuantizedWeight(q, scale, lo, g, 4, f"int4 g{g} (quantized at load)")
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup on quantized rows: gathers the codes of the looked-up tokens and dequantizes only those."""
+
+    def __init__(self, w: QuantizedWeight, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.group_size, self.dtype = w.group_size, dtype
+        self.register_buffer("q", w.q.to(device))                                 # (V, H)
+        self.register_buffer("scale", w.scale.to(device))                         # (V, H / group)
+        self.register_buffer("zero", None if w.zero is None else w.zero.to(device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = QuantizedWeight(self.q[ids], self.scale[ids], None if self.zero is None else self.zero[ids],
+                               self.group_size, 8, "")
+        return rows.dequantize(self.dtype)                                        # (T, H): same float32 math as the reference
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.buffers())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights really occupy: parameters plus persistent buffers (packed codes, scales)."""
+    total = sum(p.nbytes for p in model.parameters())
+    for mod in model.modules():
+        total += sum(b.nbytes for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)
+    return total
