@@ -62,7 +62,7 @@ async def test_pod_discovery_follows_the_api_server(cluster):
         roles = sorted((e.role, e.url.rsplit(":", 1)[1]) for e in pool)
         assert roles == [("decode", "8123"), ("prefill", "8123")]
         ips = {e.url.split("//")[1].split(":")[0] for e in pool}
-        assert all(ip.startswith("10.") for ip in ips)                 # kwok-assigned pod IPs
+        assert all(ip.startswith("127.77.") for ip in ips)             # kwok-assigned pod IPs (tests/operator/kubeenv.py)
         # joins: a new pod appears once Ready (after at least one watch timeout has passed)
         await asyncio.sleep(2.5)
         assert cluster.http.post(f"/api/v1/namespaces/{ns}/pods", json=pod("both-0", None)).status_code == 201

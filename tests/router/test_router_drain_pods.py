@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.kv_connectors import kv_auth
 from pdserve.router.config import RouterConfig
 from pdserve.router.pd import REMOTE_DECODE_PARAMS
 from pdserve.runtime.metrics import parse_samples
@@ -48,6 +49,14 @@ def wait_for(cond, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+class Pods(dict):
+    """The pod handles by name, plus the deployment's KV secret (a handoff to a prefill pod must be signed with it)."""
+
+    def __init__(self, handles: dict, token: str):
+        super().__init__(handles)
+        self.token = token
+
+
 @pytest.fixture(scope="module")
 def pods():
     token = secrets.token_hex(16)
@@ -69,7 +78,7 @@ def pods():
         for n, f in futures.items():
             handles[n] = f.result()
             stack.push(cms[n].__exit__)
-        yield handles
+        yield Pods(handles, token)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +92,7 @@ def test_prefill_pairs_only_with_its_fingerprint(pods, reference, make_router, t
     fps = {n: httpx.get(pods[n].url + "/health").json()["kv_fingerprint"] for n in ("P16", "P32", "D16")}
     assert fps["P16"] == fps["D16"] != fps["P32"]
     app, r = make_router(RouterConfig(prefill=(P32.url, P16.url), decode=(D16.url,), pd_threshold=16,
-                                      policy="round-robin"), tokenizer=tokenizer)
+                                      policy="round-robin", kv_token=pods.token), tokenizer=tokenizer)
     wait_for(lambda: all(e.kv_fingerprint for e in app.pool), "fingerprints learned")
     c = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
     for i in range(4):
@@ -93,7 +102,7 @@ def test_prefill_pairs_only_with_its_fingerprint(pods, reference, make_router, t
     assert metric(D16.url, "pdserve:kv_load_failures_total") == 0
     # only an incompatible prefill pod left: decode-only, still right
     app2, r2 = make_router(RouterConfig(prefill=(P32.url,), decode=(D16.url,), pd_threshold=16,
-                                        policy="round-robin"), tokenizer=tokenizer)
+                                        policy="round-robin", kv_token=pods.token), tokenizer=tokenizer)
     wait_for(lambda: all(e.kv_fingerprint for e in app2.pool), "fingerprints learned")
     c2 = openai.OpenAI(base_url=r2.url + "/v1", api_key="x", max_retries=0)
     assert c2.completions.create(model=MODEL, prompt=f"4. {STORY}", **GREEDY).choices[0].text == reference[4]
@@ -105,8 +114,10 @@ def test_sigterm_to_prefill_keeps_leased_kv_until_decode_pulled_it(pods, referen
     P16, D16 = pods["P16"], pods["D16"]
     failures = metric(D16.url, "pdserve:kv_load_failures_total")
     body = {"model": MODEL, "prompt": f"5. {STORY}", **GREEDY}
-    pre = httpx.post(P16.url + "/v1/completions", timeout=120, json={
-        **body, "max_tokens": 1, "kv_transfer_params": dict(REMOTE_DECODE_PARAMS)}).json()
+    raw = json.dumps({**body, "max_tokens": 1, "kv_transfer_params": dict(REMOTE_DECODE_PARAMS)}).encode()
+    pre = httpx.post(P16.url + "/v1/completions", timeout=120, content=raw, headers={  # a handoff, as the router asks
+        "content-type": "application/json", kv_auth.HANDOFF_HEADER: kv_auth.handoff_header(pods.token.encode(), raw)
+    }).json()
     params = pre["kv_transfer_params"]
     assert params["lease_id"]
     P16.proc.send_signal(15)  # SIGTERM: the lease is held, nobody has pulled it yet

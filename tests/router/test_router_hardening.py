@@ -276,5 +276,6 @@ def test_pdserve_up_api_key_protects_the_pods_and_the_router_presents_it(tmp_pat
     children = up.build_children(args, tmp_path, "/models/smol")
     *pods, router = children
     assert all(p.env["PDSERVE_API_KEY"] == "k3y" for p in pods) and len(pods) == 2
-    assert router.env == {"PDSERVE_UPSTREAM_API_KEY": "k3y"}
+    # the router presents the pods' key and signs prefill handoffs with the pods' KV secret; nothing else
+    assert router.env == {"PDSERVE_UPSTREAM_API_KEY": "k3y", "PDSERVE_KV_TOKEN": pods[0].env["PDSERVE_KV_TOKEN"]}
     assert not any("k3y" in a for p in pods for a in p.argv)  # env only: never on a pod's command line
