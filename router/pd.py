@@ -93,6 +93,8 @@ async def run_prefill(upstream: Upstream, metrics: RouterMetrics, pick: Callable
                 return PrefillResult(error=error if tried else str(e))
             tried |= e.tried
             error = str(e)
+            if e.timed_out:  # sent, maybe still computing there: another prefill would run the prompt twice
+                return PrefillResult(error=error)
             continue
         ep = att.endpoint
         tried.add(ep.url)

@@ -126,6 +126,17 @@ def test_a_sent_request_that_times_out_is_not_run_again_elsewhere(pods, make_rou
     assert pods[0][0].state.count + pods[1][0].state.count == 1  # the work ran once
 
 
+def test_a_prefill_that_times_out_is_not_run_again_on_another_prefill_pod(pods, make_router):
+    (p1, s1), (p2, s2), (d, sd) = pods[0], pods[1], pods[2]
+    p1.state.delay = p2.state.delay = 1.5
+    app, r = make_router(RouterConfig(prefill=(s1.url, s2.url), decode=(sd.url,), pd_threshold=0,
+                                      policy="round-robin", request_timeout=0.5, max_retries=2))
+    resp = httpx.post(r.url + "/v1/completions", json={"prompt": "a prompt long enough to prefill " * 4}, timeout=30)
+    assert resp.status_code == 200  # decode-only fallback
+    assert p1.state.count + p2.state.count == 1  # the prefill ran once
+    assert d.state.count == 1
+
+
 def test_slow_health_replies_do_not_make_a_pod_unhealthy(pods, make_router):
     (a, sa), (b, sb) = pods[0], pods[1]
     app, r = make_router(RouterConfig(workers=(sa.url,), policy="round-robin", health_interval=0.05,
