@@ -37,7 +37,7 @@ class AutoscalerMetrics:
     """The operator's autoscaling metrics (names agreed with the dashboards)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["namespace", "inferenceservice", "role"]
+        labels = ["namespace", "isvc", "role"]
         self.decisions = Counter("pdserve_operator_autoscale_decisions", "Autoscaler replica changes written.",
                                  [*labels, "direction"], registry=registry)
         self.desired = Gauge("pdserve_operator_autoscale_desired_replicas", "Replicas the autoscaler wants.",

@@ -134,8 +134,30 @@ OPERATOR = ("pdserve-operator", "pdserve / Operator", [
     ("Pool replicas: desired and ready", "short",
      [q(f"max by (namespace, isvc, role, state) (pdserve_operator_pool_replicas{{{OS}}})",
         "{{namespace}}/{{isvc}} {{role}} {{state}}")]),
-    # Autoscaling decisions (pdserve_operator_autoscale_decisions_total, helper "autoscale") join this dashboard
-    # when that branch is merged: add its panel here with a live test that makes the autoscaler decide.
+    # The autoscaler (operator/autoscaler.py): what it decided, what it wants, and the pool inputs it decided on.
+    ("Autoscaling decisions per second by pool and direction", "short",
+     [q(f"sum by (namespace, isvc, role, direction) (rate(pdserve_operator_autoscale_decisions_total{{{OS}}}[{R}]))",
+        "{{namespace}}/{{isvc}} {{role}} {{direction}}")]),
+    ("Autoscaler: desired vs ready replicas", "short",
+     [q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_desired_replicas{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}} desired"),
+      q(f'max by (namespace, isvc, role) (pdserve_operator_pool_replicas{{{OS},state="ready"}}) '
+        f"and on (namespace, isvc, role) pdserve_operator_autoscale_desired_replicas{{{OS}}}",
+        "{{namespace}}/{{isvc}} {{role}} ready")]),
+    ("Autoscaler input: TTFT and ITL p90 over the window", "s",
+     [q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_ttft_p90_seconds{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}} TTFT p90"),
+      q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_itl_p90_seconds{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}} ITL p90")]),
+    ("Autoscaler input: uncached prompt tokens per second", "short",
+     [q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_prompt_tokens_per_second{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}}")]),
+    ("Autoscaler input: waiting requests per pod", "short",
+     [q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_queue_depth{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}}")]),
+    ("Autoscaler input: KV-cache usage per pod", "percentunit",
+     [q(f"max by (namespace, isvc, role) (pdserve_operator_autoscale_kv_cache_usage{{{OS}}})",
+        "{{namespace}}/{{isvc}} {{role}}")]),
 ])
 
 

@@ -21,12 +21,14 @@ import yaml
 
 from tests.observability import promql
 from tests.operator.conftest import RELEASE, chart_release, cluster  # noqa: F401 (fixtures)
+from tests.operator.fakepods import FakePods
 from tests.operator.kubeenv import write_kubeconfig
 from tests.support.server import free_port, launch_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
 EXAMPLE = promql.REPO / "crds" / "examples" / "smollm2-pd.yaml"
+AUTOSCALED = promql.REPO / "crds" / "examples" / "smollm2-autoscaled.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +45,17 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def operator_metrics(cluster, chart_release, tmp_path_factory):  # noqa: F811
-    """`pdserve operator --metrics` as the chart's ServiceAccount, reconciling the P/D example; yields the url."""
+    """`pdserve operator --metrics` as the chart's ServiceAccount, reconciling the P/D example and the autoscaled
+    example, whose kwok pods serve real runtime metrics under load (FakePods) so that the autoscaler scrapes them and
+    scales both pools up; yields the url once it has decided."""
     token = cluster.kubectl("create", "token", RELEASE, "-n", chart_release, "--duration", "1h").stdout.strip()
     d = tmp_path_factory.mktemp("operator")
     kubeconfig = write_kubeconfig(d / "kubeconfig", cluster.server, cluster.workdir / "ca.crt", token)
     port = free_port()
     log = d / "operator.log"
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "operator", "--liveness", "none",
-                             "--metrics", f"127.0.0.1:{port}", "--resync-seconds", "5"],
+                             "--metrics", f"127.0.0.1:{port}", "--resync-seconds", "5",
+                             "--autoscale-tick-seconds", "0.5"],
                             cwd=d, env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -65,7 +70,23 @@ def operator_metrics(cluster, chart_release, tmp_path_factory):  # noqa: F811
             except httpx.HTTPError:
                 return False
         cluster.wait_for(reconciled, 120, "operator metrics with pool replicas")
-        yield url
+        auto = yaml.safe_load(AUTOSCALED.read_text())
+        # Short rounds so the autoscaler decides within the test (the example's are production-sized).
+        auto["spec"]["autoscaling"].update(intervalSeconds=1, windowSeconds=3)
+        for role in ("prefill", "decode"):
+            auto["spec"]["autoscaling"][role]["maxReplicas"] = 2
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(auto))
+        with FakePods(cluster, ns, auto["metadata"]["name"]) as pods:
+            pods.load.update(prefill="busy", decode="busy")  # slow TTFT and ITL: both pools scale up
+
+            def decided() -> bool:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                text = httpx.get(url, timeout=2).text
+                return all(f"{m}{{" in text for m in ("pdserve_operator_autoscale_decisions_total",
+                                                       "pdserve_operator_autoscale_ttft_p90_seconds",
+                                                       "pdserve_operator_autoscale_itl_p90_seconds"))
+            cluster.wait_for(decided, 120, "autoscaler decisions and inputs in the operator metrics")
+            yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -173,3 +194,6 @@ def test_every_dashboard_and_rule_expression_returns_data(stack, prometheus):
     assert float(query(prom, "sum(pdserve:kv_connector_loads_total)")[0]["value"][1]) >= 1
     info = query(prom, "pdserve:kv_connector_info")
     assert {r["metric"]["connector"] for r in info} == {"nixl"}
+    # The autoscaler really decided: the decisions panel counts scale-ups of the autoscaled example.
+    up = query(prom, 'sum(pdserve_operator_autoscale_decisions_total{isvc="smollm2-auto",direction="up"})')
+    assert up and float(up[0]["value"][1]) >= 1, up

@@ -6,9 +6,7 @@ load both come back down to minReplicas after the short scale-down window; Event
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -16,7 +14,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.operator import names
-from pdserve.runtime.metrics import CONTENT_TYPE, ServerMetrics
+from tests.operator.fakepods import FakePods
 from tests.operator.test_operator_cluster import apply, example, isvc_path
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -28,78 +26,6 @@ AUTOSCALING = {
     "decode": {"minReplicas": 1, "maxReplicas": 3, "itlP90Seconds": 0.05, "scaleUpStep": 1,
                "scaleDownStabilizationSeconds": 6},
 }
-
-
-class FakePods:
-    """For every runtime pod of one InferenceService: an HTTP server on <podIP>:8000 serving a real ServerMetrics,
-    fed every 0.25 s with the load the test sets per role (the pod itself is kwok's: there is no kubelet)."""
-
-    def __init__(self, cluster, namespace: str, instance: str) -> None:
-        self.cluster, self.ns, self.instance = cluster, namespace, instance
-        self.load = {"prefill": "idle", "decode": "idle"}
-        # by pod IP (kwok may hand a deleted pod's IP to a new pod): server, and the pod now behind it
-        self.servers: dict[str, tuple[ThreadingHTTPServer, dict]] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> FakePods:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-        for server, _ in self.servers.values():
-            server.shutdown()
-            server.server_close()
-
-    def _serve(self, ip: str, pod: dict) -> ThreadingHTTPServer:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                body = pod["metrics"].render() if self.path == "/metrics" else b""
-                self.send_response(200 if body else 404)
-                self.send_header("content-type", CONTENT_TYPE)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        server = ThreadingHTTPServer((ip, names.RUNTIME_PORT), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.25):
-            try:
-                pods = self.cluster.get(f"/api/v1/namespaces/{self.ns}/pods?labelSelector="
-                                        f"{names.INSTANCE_LABEL}={self.instance},"
-                                        f"{names.COMPONENT_LABEL}=runtime")["items"]
-            except httpx.HTTPError:
-                continue
-            live = set()
-            for p in pods:
-                ip = (p.get("status") or {}).get("podIP")
-                if not ip or p["metadata"].get("deletionTimestamp"):
-                    continue
-                live.add(ip)
-                current = {"uid": p["metadata"]["uid"], "role": p["metadata"]["labels"][names.ROLE_LABEL]}
-                if ip not in self.servers:
-                    current["metrics"] = ServerMetrics("smol")
-                    self.servers[ip] = (self._serve(ip, current), current)
-                elif self.servers[ip][1]["uid"] != current["uid"]:  # a new pod at a recycled IP starts from zero
-                    self.servers[ip][1].update(current, metrics=ServerMetrics("smol"))
-            for ip, (_, pod) in self.servers.items():
-                if ip not in live or self.load.get(pod["role"]) != "busy":
-                    continue
-                m = pod["metrics"]
-                if pod["role"] == "prefill":
-                    m.ttft.observe(3.0)  # p90 3s vs the 1s target
-                else:
-                    for _ in range(5):
-                        m.itl.observe(0.2)  # p90 0.2s vs the 50ms target
-                m.request_finished("stop")
 
 
 def replicas(cluster, ns: str, role: str) -> int:
@@ -168,7 +94,7 @@ def test_replicas_follow_load_per_role_and_come_down_after_the_window(cluster, o
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(
         httpx.get(operator.metrics, timeout=5).text) for s in f.samples}
     for role in ("prefill", "decode"):
-        key = (("inferenceservice", "auto"), ("namespace", namespace), ("role", role))
+        key = (("isvc", "auto"), ("namespace", namespace), ("role", role))
         for direction in ("up", "down"):
             labels = tuple(sorted((*key, ("direction", direction))))
             assert samples[("pdserve_operator_autoscale_decisions_total", labels)] >= 1
