@@ -4,7 +4,8 @@ contract; ``create_connector(name, role, config, spec)`` imports ``<name>_connec
 =========  ==========================================================================================================
 nixl       decode READs the prefill pod's registered cache (UCX); authenticated side channel, leases, checksums.
            config: host, port, advertise_host, token (or PDSERVE_KV_TOKEN), lease_s, handshake_timeout_s,
-           load_timeout_s, verify_checksums, progress_interval_s, progress_grace_s, backends
+           load_timeout_s, verify_checksums, chunk_blocks, max_inflight, progress_interval_s, progress_grace_s,
+           backends
 redis      blocks under their hash with a TTL (a prefix cache shared by every pod); pipelined; auth and TLS.
            config: url (required), password, username, ttl_s, socket_timeout_s, connect_timeout_s, key_prefix,
            ssl, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs
