@@ -253,8 +253,8 @@ def measure(names: list[str], dtypes: list[str], repeat: int) -> list[tuple]:
             for name in names:
                 cfg = {"nixl": {"token": "bench"}, "nixl-nosum": {"token": "bench", "verify_checksums": False},
                        "nixl-bare": {},
-                       "redis": {"url": redis_url} if redis_ctx else {},
-                       "disk": {"path": str(tmp / f"disk-{dtype}")}}[name]
+                       "redis": {"token": "bench", "url": redis_url} if redis_ctx else {},
+                       "disk": {"token": "bench", "path": str(tmp / f"disk-{dtype}")}}[name]
                 if name == "nixl-bare":
                     rows.append((name, dtype, total, 0.0, bare_nixl_read(spec, repeat), 0.0, raw_memcpy(spec, repeat)))
                     continue
