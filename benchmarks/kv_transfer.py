@@ -25,6 +25,7 @@ so both see the same load, and prints after/before ratios.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -52,6 +53,7 @@ def _use_kv_code(ref: str) -> None:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kv_connectors"], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    atexit.register(shutil.rmtree, dest, True)
     kc.__path__[:] = [str(dest / "kv_connectors")]
 
 
@@ -314,10 +316,11 @@ def main() -> None:
         print("ratio = raw time / connector time (goal >= 0.8). nixl 'save' is the prefill handoff (checksums "
               "+ lease), which has no raw counterpart; its end-to-end ratio charges it against the memcpy.")
         return
-    before, after = [], []
+    before, after, bare = [], [], []
     for dtype in dtypes:
         for name in names:
-            if name == "nixl-bare":
+            if name == "nixl-bare":   # no pdserve code in it: measured once, for scale
+                bare += measure([name], [dtype], args.repeat)
                 continue
             out = subprocess.run([sys.executable, __file__, "--kv-code", args.compare, "--json", "--connectors",
                                   name, "--dtypes", dtype, "--repeat", str(args.repeat)], check=True,
@@ -325,7 +328,7 @@ def main() -> None:
             before += [tuple(r) for r in json.loads(out.split("ROWS ", 1)[1].splitlines()[0])]
             after += measure([name], [dtype], args.repeat)
     print_rows(before, args.repeat, f"BEFORE ({args.compare}): ")
-    print_rows(after, args.repeat, "AFTER (this tree): ")
+    print_rows(after + bare, args.repeat, "AFTER (this tree): ")
     print(f"\n{'connector':10} {'dtype':9} | {'e2e before':>10} {'e2e after':>9} | {'after speedup':>13}")
     for b, a in zip(before, after):
         speed = (b[3] + b[4]) / (a[3] + a[4])
