@@ -96,8 +96,10 @@ def block_checksums(cache: torch.Tensor, block_ids: list[int], algo: int) -> lis
     device. Safe to call from any thread; the caller must know the blocks do not change meanwhile."""
     if not block_ids:
         return []
-    if algo == ALGO_SUM64:
-        return sum64(cache[torch.as_tensor(block_ids, device=cache.device)])
+    if algo == ALGO_SUM64:   # in slices of ~64 MB: the passes' temporaries stay small next to the cache
+        step = max(1, (64 << 20) // (cache[0].numel() * cache.element_size()))
+        return [c for i in range(0, len(block_ids), step)
+                for c in sum64(cache[torch.as_tensor(block_ids[i:i + step], device=cache.device)])]
     if algo not in (ALGO_CRC32, ALGO_XXH3):
         raise CorruptBlock(f"unknown checksum algorithm {algo}")
     if cache.device.type != "cpu":   # one gather + one device-to-host copy for all blocks
