@@ -15,8 +15,8 @@ Ratio = raw time / connector time (1.0 = as fast as the raw medium; goal >= 0.8)
 ``--repeat`` runs (a shared, noisy host).
 
 ``--compare REF`` also times the connectors of git revision REF (e.g. ``main``: its ``kv_connectors`` extracted with
-``git archive`` and imported in a subprocess in place of this tree's), alternating before/after per connector and dtype
-so both see the same load, and prints after/before ratios.
+``git archive`` and imported in a subprocess in place of this tree's), alternating whole before/after runs ``--rounds``
+times so both sample the host's load alike (each timing: the best over all rounds), and prints after/before ratios.
 
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
                                      [--dtypes float32,bfloat16] [--compare REF]
@@ -304,6 +304,7 @@ def main() -> None:
                          "nixl-bare: the nixl API's own READ of the same blocks, for scale")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--compare", metavar="REF", help="also time git REF's kv_connectors, alternating, same run")
+    ap.add_argument("--rounds", type=int, default=2, help="--compare: alternating before/after runs (best of all)")
     ap.add_argument("--kv-code", metavar="REF", help=argparse.SUPPRESS)   # handled at import time
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -316,17 +317,23 @@ def main() -> None:
         print("ratio = raw time / connector time (goal >= 0.8). nixl 'save' is the prefill handoff (checksums "
               "+ lease), which has no raw counterpart; its end-to-end ratio charges it against the memcpy.")
         return
-    before, after, bare = [], [], []
-    for dtype in dtypes:
-        for name in names:
-            if name == "nixl-bare":   # no pdserve code in it: measured once, for scale
-                bare += measure([name], [dtype], args.repeat)
-                continue
-            out = subprocess.run([sys.executable, __file__, "--kv-code", args.compare, "--json", "--connectors",
-                                  name, "--dtypes", dtype, "--repeat", str(args.repeat)], check=True,
-                                 capture_output=True, text=True, env={**os.environ}).stdout
-            before += [tuple(r) for r in json.loads(out.split("ROWS ", 1)[1].splitlines()[0])]
-            after += measure([name], [dtype], args.repeat)
+
+    def run(code: str | None) -> list[tuple]:
+        cmd = [sys.executable, __file__, "--json", "--connectors", args.connectors, "--dtypes", args.dtypes,
+               "--repeat", str(args.repeat)] + (["--kv-code", code] if code else [])
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
+        return [tuple(r) for r in json.loads(out.split("ROWS ", 1)[1].splitlines()[0])]
+
+    def best_of(runs: list[list[tuple]]) -> list[tuple]:   # per row, each timing's minimum over the rounds
+        return [(*rows[0][:3], *(min(r[k] for r in rows) for k in range(3, 7))) for rows in zip(*runs)]
+
+    befores, afters = [], []
+    for _ in range(args.rounds):   # alternate whole runs, so that both sides sample the host's load alike
+        befores.append(run(args.compare))
+        afters.append(run(None))
+    before, after = best_of(befores), best_of(afters)
+    bare = [r for r in after if r[0] == "nixl-bare"]
+    before, after = [r for r in before if r[0] != "nixl-bare"], [r for r in after if r[0] != "nixl-bare"]
     print_rows(before, args.repeat, f"BEFORE ({args.compare}): ")
     print_rows(after + bare, args.repeat, "AFTER (this tree): ")
     print(f"\n{'connector':10} {'dtype':9} | {'e2e before':>10} {'e2e after':>9} | {'after speedup':>13}")
