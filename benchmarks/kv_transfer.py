@@ -18,8 +18,14 @@ Ratio = raw time / connector time (1.0 = as fast as the raw medium; goal >= 0.8)
 ``git archive`` and imported in a subprocess in place of this tree's), alternating whole before/after runs ``--rounds``
 times so both sample the host's load alike (each timing: the best over all rounds), and prints after/before ratios.
 
+``--ttft`` instead measures time to first token on the default model, in one process: P/D (a prefill engine computes
+the prompt with ``max_tokens=1`` and hands it over through the connector; a decode engine loads it and computes the
+last token) vs one monolithic engine, at ``--ttft-lengths`` tokens (fresh random prompts: no prefix cache hits). It
+leaves out the router and HTTP hops (sub-millisecond next to these numbers, see benchmarks/router.py).
+
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
                                      [--dtypes float32,bfloat16] [--compare REF]
+    python benchmarks/kv_transfer.py --ttft [--ttft-lengths 512,2048,8192] [--connectors nixl,redis,disk]
 """
 
 from __future__ import annotations
@@ -278,6 +284,63 @@ def measure(names: list[str], dtypes: list[str], repeat: int) -> list[tuple]:
     return rows
 
 
+def _first_token(engine: Any, rid: str, toks: list[int], params: dict | None) -> Any:
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    engine.add_request(rid, toks, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer_params=params)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                assert out.error is None, out.error
+                return out
+    raise TimeoutError(rid)
+
+
+def ttft(names: list[str], lengths: list[int], repeat: int) -> None:
+    """P/D vs monolithic TTFT per connector and prompt length (best of ``repeat``; fresh prompts each time)."""
+    from pdserve.runtime.llm import LLM
+    from tests.support.redis import redis_server
+
+    opts = dict(num_gpu_blocks=max(lengths) // BLOCK * 2 + 64)   # the model's own max length (SmolLM2: 8,192)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-kvttft-"))
+    mono = LLM(**opts)
+    rows = []
+    with redis_server() as r:
+        for name in names:
+            cfg = {"nixl": {"token": "bench"}, "redis": {"token": "bench", "url": r.url},
+                   "disk": {"token": "bench", "path": str(tmp / "disk")}}[name]
+            pre = LLM(**opts, kv_connector=name, kv_role="prefill", kv_connector_config=cfg)
+            dec = LLM(**opts, kv_connector=name, kv_role="decode", kv_connector_config=cfg)
+            for n in lengths:
+                t_mono, t_pd, t_pre = [], [], []
+                for i in range(repeat + 1):   # the first round warms up (connections, handshakes)
+                    toks = [random.randrange(100, 40000) for _ in range(min(n, 8191))]   # + 1 output token
+                    t0 = time.perf_counter()
+                    ref = _first_token(mono.engine, f"m{name}{n}-{i}", toks, None)
+                    t1 = time.perf_counter()
+                    out = _first_token(pre.engine, f"p{name}{n}-{i}", toks, {"do_remote_decode": True})
+                    t2 = time.perf_counter()
+                    got = _first_token(dec.engine, f"d{name}{n}-{i}", toks, out.kv_transfer_params)
+                    t3 = time.perf_counter()
+                    assert got.outputs[0].token_ids == ref.outputs[0].token_ids, "P/D answered differently"
+                    assert got.num_cached_tokens >= (n - 1) // BLOCK * BLOCK, "the decode side did not load the KV"
+                    for _ in range(20):   # let the prefill release the blocks its decode peer finished reading
+                        pre.engine.step()
+                    if i:
+                        t_mono.append(t1 - t0), t_pd.append(t3 - t1), t_pre.append(t2 - t1)
+                rows.append((name, n, min(t_mono), min(t_pd), min(t_pre)))
+                print(f"  {name} {n}: monolithic {min(t_mono) * 1e3:.0f} ms, P/D {min(t_pd) * 1e3:.0f} ms", flush=True)
+            pre.shutdown()
+            dec.shutdown()
+    mono.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nTTFT, default model, in one process (no router/HTTP hops); best of {repeat}")
+    print(f"{'connector':10} {'tokens':>6} | {'monolithic ms':>13} {'P/D ms':>8} {'(prefill ms)':>12} | {'P/D / mono':>10}")
+    for name, n, m, pd, p in rows:
+        print(f"{name:10} {n:6d} | {m * 1e3:13.0f} {pd * 1e3:8.0f} {p * 1e3:12.0f} | {pd / m:10.2f}")
+
+
 def _e2e(row: tuple) -> float:
     _, _, _, s, l, rs, rl = row
     return (rs + rl) / (s + l)
@@ -304,11 +367,17 @@ def main() -> None:
                          "nixl-bare: the nixl API's own READ of the same blocks, for scale")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--compare", metavar="REF", help="also time git REF's kv_connectors, alternating, same run")
+    ap.add_argument("--ttft", action="store_true", help="P/D vs monolithic time to first token instead")
+    ap.add_argument("--ttft-lengths", default="512,2048,8192")
     ap.add_argument("--rounds", type=int, default=2, help="--compare: alternating before/after runs (best of all)")
     ap.add_argument("--kv-code", metavar="REF", help=argparse.SUPPRESS)   # handled at import time
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     names, dtypes = args.connectors.split(","), args.dtypes.split(",")
+    if args.ttft:
+        names = [n for n in names if n in ("nixl", "redis", "disk")]
+        ttft(names, [int(n) for n in args.ttft_lengths.split(",")], args.repeat)
+        return
     if args.json:
         print("ROWS " + json.dumps(measure(names, dtypes, args.repeat)))
         return
