@@ -4,31 +4,35 @@ DRAM on CPU, VRAM on CUDA), the vLLM ``NixlConnector`` protocol with leases, aut
 Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote_decode`` keeps its full prompt blocks
 (delay_free) under a lease of ``lease_s`` seconds (:mod:`leases`) and answers vLLM-shaped ``kv_transfer_params`` plus
 ``lease_id``, ``fingerprint``, ``block_hashes`` and ``block_checksums`` (hex checksum of each block at handoff, in the
-signed ``checksum_algo``: xxHash3 on CPU caches, the vectorized SUM64 on accelerators; see :func:`block_codec.block_checksums`).
+signed ``checksum_algo``: xxHash3 on CPU caches, the vectorized SUM64 on accelerators; see
+:func:`block_codec.block_checksums`).
 Checksums are computed off the engine thread as the engine reports blocks computed (``request_scheduled_for_save``: a
 chunked prefill's earlier blocks are hashed while later chunks compute), so the handoff only hashes its last blocks.
 An authenticated side channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint,
 cache address), ``heartbeat`` (extends a live lease) and ``done`` (releases the lease if it is alive and held exactly
-the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or expired.
+the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or
+expired.
 The params are signed with the deployment's secret and expire with the lease (:mod:`kv_auth`).
 
 Decode - a request with ``do_remote_prefill`` params whose signature checks out (anything else is ignored before any
 connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
 its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
 bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, the READ in chunks of ``chunk_blocks`` blocks with up to
-``max_inflight`` in flight under one deadline (heartbeats keep the lease alive while a long one runs), each chunk's
-checksums verified by the hash threads as soon as it lands, while later chunks are still moving, then ``done``: only a lease still valid after the read proves the prefill
-blocks were never freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of
-returning wrong tokens, and params edited to point elsewhere fail it (``corrupt``). A block whose checksum differs is
-reported bad (the engine cuts the request's prefix back to its first bad block and recomputes from there); a chunk whose
-READ fails fails every block not yet verified. ``verify_checksums``: default on.
+re-handshaken next time), fingerprint check before any transfer, the READ in chunks of ``chunk_blocks`` blocks
+with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive while a long one runs), each
+chunk's checksums verified by the hash threads as soon as it lands while later chunks still move, then ``done``: only
+a lease still valid after the read proves the prefill blocks were never freed and reused during it, so an expired
+lease fails the load (``lease_expired``) instead of returning wrong tokens, and params edited to point elsewhere fail
+it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the request's prefix back to its
+first bad block and recomputes from there); a READ that fails (peer gone) fails the whole load. ``verify_checksums``:
+default on.
 
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
 is 0.0.0.0), ``token`` (else PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s``
-(10), ``verify_checksums`` (true), ``chunk_blocks`` (16), ``max_inflight`` (4), ``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001),
-``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices`` (default: the interface of
-``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing signed or checked).
+(10), ``verify_checksums`` (true), ``chunk_blocks`` (16), ``max_inflight`` (4), ``backends`` (["UCX"]), ``engine_id``,
+``progress_interval_s`` (0.001), ``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices``
+(default: the interface of ``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing
+signed or checked).
 
 CPU: NIXL's own progress thread spins a core, which starves the model's forward pass on small hosts, so agents run
 without it: the decode side progresses its READs while polling them, and the prefill side runs a light progress loop
@@ -162,7 +166,8 @@ class NixlConnector(LoadingConnector):
             return {"valid": verdict == "valid", "verdict": verdict}
         raise ValueError(f"unknown op {op!r}")
 
-    def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int], num_computed_tokens: int) -> None:
+    def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int],
+                                   num_computed_tokens: int) -> None:
         """Hash the prompt blocks a handoff request completed this step, off the engine thread (their KV is final)."""
         if self.server is None or not self.verify_checksums or not (request.kv_transfer_params or {}).get(
                 "do_remote_decode"):
@@ -173,7 +178,8 @@ class NixlConnector(LoadingConnector):
             upto, chunks = 0, []
         if n > upto:
             ids = list(block_ids[upto:n])
-            chunks.append((ids, block_codec.hash_pool().submit(block_checksums, self.kv_cache, ids, self.checksum_algo)))
+            fut = block_codec.hash_pool().submit(block_checksums, self.kv_cache, ids, self.checksum_algo)
+            chunks.append((ids, fut))
         self._hashing[request.request_id] = (max(n, upto), chunks)
 
     def _handoff_checksums(self, request_id: str, ids: list[int]) -> list[int]:

@@ -215,7 +215,7 @@ def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
     changes after the handoff. The decode engine uses the blocks before it, recomputes from it on, and answers exactly
     as the monolithic engine."""
     if pair.name != "nixl":
-        pytest.skip("the store connectors' mid-transfer failures are covered in test_redis_connector/test_disk_connector")
+        pytest.skip("the store connectors' mid-transfer failure is covered in test_redis_connector")
     prompts, expected = reference
     prompt = {"midpipe": prompts["midpipe"]}
     conn, src = pair.decode.engine.connector, pair.prefill.engine.connector
