@@ -5,7 +5,8 @@ models or dtypes sharing one store never see each other's blocks) as :mod:`block
 
 * Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
   (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background thread
-  (a handoff's blocks on CPU without the snapshot: the request holds them until its queued writes are flushed).
+  (a handoff's blocks on CPU without the snapshot: its ``request_finished`` waits for those writes, and should that
+  wait time out, keeps the blocks allocated (delay_free) until the writer is done with them).
   A prefill request with ``do_remote_decode`` is written synchronously before its ``kv_transfer_params`` are returned,
   so the decode side finds every block. A store that fails is skipped for ``retry_after_s`` (counted, never fatal).
 * Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
@@ -90,6 +91,8 @@ class StoreConnector(LoadingConnector):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
         self._known_lock = threading.Lock()
         self._tls = threading.local()
+        self._live_writes: dict[str, int] = {}    # request id -> queued writes reading its live (unsnapshotted) blocks
+        self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
         self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
         self._readers = ThreadPoolExecutor(max(1, int(config.get("read_threads", 4))),
@@ -208,7 +211,11 @@ class StoreConnector(LoadingConnector):
         self._saved_upto.pop(request.request_id, None)
         if not handoff:
             return False, None
-        return False, kv_auth.sign_params({
+        with self._known_lock:   # a stuck writer still reading the live blocks: keep them until it is done
+            hold = request.request_id in self._live_writes
+            if hold:
+                self._held_for_writes.add(request.request_id)
+        return hold, kv_auth.sign_params({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
             "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
@@ -243,7 +250,9 @@ class StoreConnector(LoadingConnector):
             if sync:
                 self._write(request.request_id, [h for h, _ in todo], live)
             else:
-                self._writer.submit(self._write, request.request_id, [h for h, _ in todo], live)
+                with self._known_lock:
+                    self._live_writes[request.request_id] = self._live_writes.get(request.request_id, 0) + 1
+                self._writer.submit(self._live_write, request.request_id, [h for h, _ in todo], live)
             return
         nbytes = len(todo) * self.spec.block_bytes
         if not sync:
@@ -261,6 +270,20 @@ class StoreConnector(LoadingConnector):
             self._write(request.request_id, [h for h, _ in todo], list(snap))
         else:
             self._writer.submit(self._queued_write, nbytes, request.request_id, [h for h, _ in todo], list(snap))
+
+    def _live_write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
+        try:
+            self._write(request_id, hashes, blocks)
+        finally:
+            with self._known_lock:
+                left = self._live_writes.pop(request_id) - 1
+                if left:
+                    self._live_writes[request_id] = left
+                release = not left and request_id in self._held_for_writes
+                self._held_for_writes.discard(request_id)
+            if release:   # the request finished while this write read its blocks: they may be freed now
+                with self._lock:
+                    self._sending_done.add(request_id)
 
     def _queued_write(self, nbytes: int, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
         try:
