@@ -11,18 +11,32 @@ Raw limits, measured the same way on the same bytes:
   redis - raw redis-py pipelined SET then GET of the same 128 blocks' bytes, same server
   disk  - plain open/write/close of one new file per block (the same bytes), then read them back, same filesystem
 
-Ratio = raw time / connector time (1.0 = as fast as the raw medium; goal >= 0.5). Each timing is the best of
+Ratio = raw time / connector time (1.0 = as fast as the raw medium; goal >= 0.8). Each timing is the best of
 ``--repeat`` runs (a shared, noisy host).
 
+``--compare REF`` also times the connectors of git revision REF (e.g. ``main``: its ``kv_connectors`` extracted with
+``git archive`` and imported in a subprocess in place of this tree's), alternating whole before/after runs ``--rounds``
+times so both sample the host's load alike (each timing: the best over all rounds), and prints after/before ratios.
+
+``--ttft`` instead measures time to first token on the default model, in one process: P/D (a prefill engine computes
+the prompt with ``max_tokens=1`` and hands it over through the connector; a decode engine loads it and computes the
+last token) vs one monolithic engine, at ``--ttft-lengths`` tokens (fresh random prompts: no prefix cache hits). It
+leaves out the router and HTTP hops (sub-millisecond next to these numbers, see benchmarks/router.py).
+
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
-                                     [--dtypes float32,bfloat16]
+                                     [--dtypes float32,bfloat16] [--compare REF]
+    python benchmarks/kv_transfer.py --ttft [--ttft-lengths 512,2048,8192] [--connectors nixl,redis,disk]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import json
+import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +47,24 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.support.redis, for a real redis-server
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # tests.support.redis, for a real redis-server
+
+
+def _use_kv_code(ref: str) -> None:
+    """Import the KV connectors of git revision ``ref`` instead of this tree's (the "before" side of --compare)."""
+    import pdserve.kv_connectors as kc
+
+    dest = Path(tempfile.mkdtemp(prefix="pdserve-kvcode-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "kv_connectors"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    atexit.register(shutil.rmtree, dest, True)
+    kc.__path__[:] = [str(dest / "kv_connectors")]
+
+
+if "--kv-code" in sys.argv:
+    _use_kv_code(sys.argv[sys.argv.index("--kv-code") + 1])
 
 from pdserve.kv_connectors.base import KVCacheSpec, create_connector  # noqa: E402
 from pdserve.runtime.block_hash import hash_token_blocks  # noqa: E402
@@ -88,7 +119,10 @@ class Handoff:
         self.n += 1
         toks = [random.randrange(50000) for _ in range(PROMPT_TOKENS)]
         self.req = Req(f"r{self.n}", toks, {"do_remote_decode": True})
-        _, self.params = self.p.request_finished(self.req, list(range(NUM_BLOCKS + 1)))
+        ids = list(range(NUM_BLOCKS + 1))
+        # as the engine does after the prompt's (single-chunk) forward pass, then at once when the request finishes
+        self.p.request_scheduled_for_save(self.req, ids, PROMPT_TOKENS)
+        _, self.params = self.p.request_finished(self.req, ids)
 
     def load(self) -> None:
         req = Req(self.req.request_id, self.req.prompt_token_ids, self.params)
@@ -211,15 +245,8 @@ def raw_disk(root: Path, blocks: list[memoryview], repeat: int) -> tuple[float, 
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--connectors", default="nixl,nixl-nosum,nixl-bare,redis,disk",
-                    help="nixl-nosum: NIXL without the per-block checksums (the lease check stays); "
-                         "nixl-bare: the nixl API's own READ of the same blocks, for scale")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    args = ap.parse_args()
-    names = args.connectors.split(",")
+def measure(names: list[str], dtypes: list[str], repeat: int) -> list[tuple]:
+    """[(connector, dtype, bytes, save s, load s, raw save s, raw load s)]."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-kvbench-"))
     redis_ctx = None
     if "redis" in names:
@@ -228,46 +255,163 @@ def main() -> None:
         redis_url = redis_ctx.__enter__().url
     rows = []
     try:
-        for dtype in args.dtypes.split(","):
+        for dtype in dtypes:
             spec = spec_for(dtype)
-            nbytes = spec.block_bytes
-            total = nbytes * NUM_BLOCKS
+            total = spec.block_bytes * NUM_BLOCKS
             for name in names:
                 cfg = {"nixl": {"token": "bench"}, "nixl-nosum": {"token": "bench", "verify_checksums": False},
                        "nixl-bare": {},
-                       "redis": {"url": redis_url} if redis_ctx else {},
-                       "disk": {"path": str(tmp / f"disk-{dtype}")}}[name]
+                       "redis": {"token": "bench", "url": redis_url} if redis_ctx else {},
+                       "disk": {"token": "bench", "path": str(tmp / f"disk-{dtype}")}}[name]
                 if name == "nixl-bare":
-                    rows.append((name, dtype, total, 0.0, bare_nixl_read(spec, args.repeat), 0.0,
-                                 raw_memcpy(spec, args.repeat)))
+                    rows.append((name, dtype, total, 0.0, bare_nixl_read(spec, repeat), 0.0, raw_memcpy(spec, repeat)))
                     continue
                 h = Handoff(name.split("-")[0], cfg, spec)
                 h.save(), h.load()                      # warm-up: handshakes, connections, directories
-                save_t, load_t = h.timed(args.repeat)
+                save_t, load_t = h.timed(repeat)
                 h.close()
                 if name.startswith("nixl"):
-                    raw_save, raw_load = 0.0, raw_memcpy(spec, args.repeat)
+                    raw_save, raw_load = 0.0, raw_memcpy(spec, repeat)
                 elif name == "redis":
-                    raw_save, raw_load = raw_redis(redis_url, kv_blocks(spec), args.repeat)
+                    raw_save, raw_load = raw_redis(redis_url, kv_blocks(spec), repeat)
                 else:
-                    raw_save, raw_load = raw_disk(tmp / "raw", kv_blocks(spec), args.repeat)
+                    raw_save, raw_load = raw_disk(tmp / "raw", kv_blocks(spec), repeat)
                 rows.append((name, dtype, total, save_t, load_t, raw_save, raw_load))
     finally:
         if redis_ctx:
             redis_ctx.__exit__(None, None, None)
         shutil.rmtree(tmp, ignore_errors=True)
+    return rows
 
-    print(f"\nKV of a {PROMPT_TOKENS - 1}-token prompt: {NUM_BLOCKS} blocks of {BLOCK} tokens, SmolLM2 shape "
-          f"(30 layers x 3 KV heads x 64); best of {args.repeat}")
+
+def _first_token(engine: Any, rid: str, toks: list[int], params: dict | None) -> Any:
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    engine.add_request(rid, toks, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer_params=params)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                assert out.error is None, out.error
+                return out
+    raise TimeoutError(rid)
+
+
+def ttft(names: list[str], lengths: list[int], repeat: int) -> None:
+    """P/D vs monolithic TTFT per connector and prompt length (best of ``repeat``; fresh prompts each time)."""
+    from pdserve.runtime.llm import LLM
+    from tests.support.redis import redis_server
+
+    opts = dict(num_gpu_blocks=max(lengths) // BLOCK * 2 + 64)   # the model's own max length (SmolLM2: 8,192)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-kvttft-"))
+    mono = LLM(**opts)
+    rows = []
+    with redis_server() as r:
+        for name in names:
+            cfg = {"nixl": {"token": "bench"}, "redis": {"token": "bench", "url": r.url},
+                   "disk": {"token": "bench", "path": str(tmp / "disk")}}[name]
+            pre = LLM(**opts, kv_connector=name, kv_role="prefill", kv_connector_config=cfg)
+            dec = LLM(**opts, kv_connector=name, kv_role="decode", kv_connector_config=cfg)
+            for n in lengths:
+                t_mono, t_pd, t_pre = [], [], []
+                for i in range(repeat + 1):   # the first round warms up (connections, handshakes)
+                    toks = [random.randrange(100, 40000) for _ in range(min(n, 8191))]   # + 1 output token
+                    t0 = time.perf_counter()
+                    ref = _first_token(mono.engine, f"m{name}{n}-{i}", toks, None)
+                    t1 = time.perf_counter()
+                    out = _first_token(pre.engine, f"p{name}{n}-{i}", toks, {"do_remote_decode": True})
+                    t2 = time.perf_counter()
+                    got = _first_token(dec.engine, f"d{name}{n}-{i}", toks, out.kv_transfer_params)
+                    t3 = time.perf_counter()
+                    assert got.outputs[0].token_ids == ref.outputs[0].token_ids, "P/D answered differently"
+                    assert got.num_cached_tokens >= (n - 1) // BLOCK * BLOCK, "the decode side did not load the KV"
+                    for _ in range(20):   # let the prefill release the blocks its decode peer finished reading
+                        pre.engine.step()
+                    if i:
+                        t_mono.append(t1 - t0), t_pd.append(t3 - t1), t_pre.append(t2 - t1)
+                rows.append((name, n, min(t_mono), min(t_pd), min(t_pre)))
+                print(f"  {name} {n}: monolithic {min(t_mono) * 1e3:.0f} ms, P/D {min(t_pd) * 1e3:.0f} ms", flush=True)
+            pre.shutdown()
+            dec.shutdown()
+    mono.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nTTFT, default model, in one process (no router/HTTP hops); best of {repeat}")
+    print(f"{'connector':10} {'tokens':>6} | {'monolithic ms':>13} {'P/D ms':>8} {'(prefill ms)':>12} "
+          f"{'(handoff ms)':>12} | {'P/D / mono':>10}")
+    for name, n, m, pd, p in rows:   # handoff: P/D minus its prefill, i.e. the transfer plus the decode's last token
+        print(f"{name:10} {n:6d} | {m * 1e3:13.0f} {pd * 1e3:8.0f} {p * 1e3:12.0f} {(pd - p) * 1e3:12.0f} | "
+              f"{pd / m:10.2f}")
+
+
+def _e2e(row: tuple) -> float:
+    _, _, _, s, l, rs, rl = row
+    return (rs + rl) / (s + l)
+
+
+def print_rows(rows: list[tuple], repeat: int, title: str = "") -> None:
+    print(f"\n{title}KV of a {PROMPT_TOKENS - 1}-token prompt: {NUM_BLOCKS} blocks of {BLOCK} tokens, SmolLM2 shape "
+          f"(30 layers x 3 KV heads x 64); best of {repeat}")
     print(f"{'connector':10} {'dtype':9} {'MB':>6} | {'save ms':>8} {'raw ms':>7} {'ratio':>5} | "
           f"{'load ms':>8} {'raw ms':>7} {'ratio':>5} | {'end-to-end ratio':>16}")
-    for name, dtype, total, s, l, rs, rl in rows:
+    for row in rows:
+        name, dtype, total, s, l, rs, rl = row
         save_ratio = f"{rs / s:5.2f}" if rs and s else "    -"
         raw_note = "(memcpy)" if name.startswith("nixl") else ""
         print(f"{name:10} {dtype:9} {total / 1e6:6.1f} | {s * 1e3:8.1f} {rs * 1e3:7.1f} {save_ratio} | "
-              f"{l * 1e3:8.1f} {rl * 1e3:7.1f} {rl / l:5.2f} | {(rs + rl) / (s + l):16.2f} {raw_note}")
-    print("ratio = raw time / connector time (goal >= 0.5). nixl 'save' is the prefill handoff (per-block checksum "
-          "+ lease), which has no raw counterpart; its end-to-end ratio charges it against the memcpy.")
+              f"{l * 1e3:8.1f} {rl * 1e3:7.1f} {rl / l:5.2f} | {_e2e(row):16.2f} {raw_note}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--connectors", default="nixl,nixl-nosum,nixl-bare,redis,disk",
+                    help="nixl-nosum: NIXL without the per-block checksums (the lease check stays); "
+                         "nixl-bare: the nixl API's own READ of the same blocks, for scale")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--compare", metavar="REF", help="also time git REF's kv_connectors, alternating, same run")
+    ap.add_argument("--ttft", action="store_true", help="P/D vs monolithic time to first token instead")
+    ap.add_argument("--ttft-lengths", default="512,2048,8192")
+    ap.add_argument("--rounds", type=int, default=2, help="--compare: alternating before/after runs (best of all)")
+    ap.add_argument("--kv-code", metavar="REF", help=argparse.SUPPRESS)   # handled at import time
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    names, dtypes = args.connectors.split(","), args.dtypes.split(",")
+    if args.ttft:
+        names = [n for n in names if n in ("nixl", "redis", "disk")]
+        ttft(names, [int(n) for n in args.ttft_lengths.split(",")], args.repeat)
+        return
+    if args.json:
+        print("ROWS " + json.dumps(measure(names, dtypes, args.repeat)))
+        return
+    if not args.compare:
+        print_rows(measure(names, dtypes, args.repeat), args.repeat)
+        print("ratio = raw time / connector time (goal >= 0.8). nixl 'save' is the prefill handoff (checksums "
+              "+ lease), which has no raw counterpart; its end-to-end ratio charges it against the memcpy.")
+        return
+
+    def run(code: str | None) -> list[tuple]:
+        cmd = [sys.executable, __file__, "--json", "--connectors", args.connectors, "--dtypes", args.dtypes,
+               "--repeat", str(args.repeat)] + (["--kv-code", code] if code else [])
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
+        return [tuple(r) for r in json.loads(out.split("ROWS ", 1)[1].splitlines()[0])]
+
+    def best_of(runs: list[list[tuple]]) -> list[tuple]:   # per row, each timing's minimum over the rounds
+        return [(*rows[0][:3], *(min(r[k] for r in rows) for k in range(3, 7))) for rows in zip(*runs)]
+
+    befores, afters = [], []
+    for _ in range(args.rounds):   # alternate whole runs, so that both sides sample the host's load alike
+        befores.append(run(args.compare))
+        afters.append(run(None))
+    before, after = best_of(befores), best_of(afters)
+    bare = [r for r in after if r[0] == "nixl-bare"]
+    before, after = [r for r in before if r[0] != "nixl-bare"], [r for r in after if r[0] != "nixl-bare"]
+    print_rows(before, args.repeat, f"BEFORE ({args.compare}): ")
+    print_rows(after + bare, args.repeat, "AFTER (this tree): ")
+    print(f"\n{'connector':10} {'dtype':9} | {'e2e before':>10} {'e2e after':>9} | {'after speedup':>13}")
+    for b, a in zip(before, after):
+        speed = (b[3] + b[4]) / (a[3] + a[4])
+        print(f"{a[0]:10} {a[1]:9} | {_e2e(b):10.2f} {_e2e(a):9.2f} | {speed:12.2f}x")
+    print("e2e = (raw save + raw load) / (connector save + load); nixl's raw is a memcpy of the same bytes.")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ contract; ``create_connector(name, role, config, spec)`` imports ``<name>_connec
 =========  ==========================================================================================================
 nixl       decode READs the prefill pod's registered cache (UCX); authenticated side channel, leases, checksums.
            config: host, port, advertise_host, token (or PDSERVE_KV_TOKEN), lease_s, handshake_timeout_s,
-           load_timeout_s, verify_checksums, progress_interval_s, progress_grace_s, backends
+           load_timeout_s, verify_checksums, chunk_blocks, max_inflight, progress_interval_s, progress_grace_s,
+           backends
 redis      blocks under their hash with a TTL (a prefix cache shared by every pod); pipelined; auth and TLS.
            config: url (required), password, username, ttl_s, socket_timeout_s, connect_timeout_s, key_prefix,
            ssl, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs
@@ -12,7 +13,7 @@ disk       one file per block under a (shared) directory, atomic writes, size-ca
            config: path (required), max_bytes
 all        token (else PDSERVE_KV_TOKEN: the deployment's KV secret, required unless insecure), insecure,
            async_load (true), load_timeout_s, load_threads; redis/disk also save, load, retry_after_s,
-           handoff_timeout_s, engine_id, params_ttl_s, max_pending_save_bytes
+           handoff_timeout_s, engine_id, params_ttl_s, max_pending_save_bytes, fetch_chunk, read_threads
 =========  ==========================================================================================================
 
 Layout: ``kv_auth`` (the secret: signed kv_transfer_params, handoff headers), ``block_codec`` (the on-wire/on-disk block record), ``load_errors`` (typed failures + counters), ``loading``

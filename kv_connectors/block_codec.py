@@ -7,16 +7,24 @@ The block-major cache makes block ``b`` one contiguous slice ``kv_cache[b]`` of 
     shape 8*u32 | payload length u64 | checksum u64
 
 The checksum is xxHash3-64 of the payload (``xxhash``, ~12 GB/s here; zlib CRC-32, ~3-4 GB/s, when xxhash is not
-installed); the algorithm byte lets a reader verify records written either way. :func:`verify` checks everything
+installed); the algorithm byte lets a reader verify records written either way. :func:`block_checksums` hashes many
+blocks of a cache at once, in place: xxHash3 over zero-copy views of each block spread over a small thread pool (xxhash
+releases the GIL) on CPU; on an accelerator ``ALGO_SUM64``, a vectorized hash over all blocks' 64-bit words in one
+pass on the device (only the checksums cross to the host). Measured here (2 shared cores, 128 SmolLM2 blocks, 47 MB):
+xxHash3 ~8 GB/s, the same torch-vectorized hash on CPU ~0.3 GB/s (int64 multiply is not vectorized), so CPU caches use
+xxHash3. :func:`verify` checks everything
 (length, magic, version, fingerprint, block hash, dtype, shape, checksum) and raises a typed
 :class:`~pdserve.kv_connectors.load_errors.KVLoadError`; a store raises ``MissingBlock`` for an absent key.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -30,7 +38,9 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; CRC-32 keeps t
 
 MAGIC = b"PDKV"
 VERSION = 1
-ALGO_CRC32, ALGO_XXH3 = 0, 1
+ALGO_CRC32, ALGO_XXH3, ALGO_SUM64 = 0, 1, 2
+ALGOS = (ALGO_CRC32, ALGO_XXH3, ALGO_SUM64)
+_M64 = (1 << 64) - 1
 _HEADER = struct.Struct("<4sHBB32s32s16s8IQQ")
 HEADER_SIZE = _HEADER.size
 
@@ -60,13 +70,90 @@ def checksum(payload: memoryview | bytes, algo: int | None = None) -> int:
     return zlib.crc32(payload)
 
 
-def default_algo() -> int:
+def default_algo(device: torch.device | str = "cpu") -> int:
+    """The algorithm for a cache on ``device``: xxHash3 (CRC-32 without xxhash) on CPU, SUM64 on accelerators."""
+    if torch.device(device).type != "cpu":
+        return ALGO_SUM64
     return ALGO_XXH3 if xxhash is not None else ALGO_CRC32
+
+
+_pool: ThreadPoolExecutor | None = None
+_POOL_THREADS = max(1, min(4, os.cpu_count() or 1))
+_POOL_PREFIX = "pdserve-kv-hash"
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process-wide checksum threads (xxhash and torch release the GIL while hashing)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix=_POOL_PREFIX)
+    return _pool
+
+
+def block_checksums(cache: torch.Tensor, block_ids: list[int], algo: int) -> list[int]:
+    """Checksums of ``cache[b]`` for each ``b`` in ``block_ids`` (``cache``: block-major, contiguous), computed on the
+    cache in place: no per-block copies, no per-block device round trips. Equal bytes give equal checksums on any
+    device. Safe to call from any thread; the caller must know the blocks do not change meanwhile."""
+    if not block_ids:
+        return []
+    if algo == ALGO_SUM64:   # in slices of ~64 MB: the passes' temporaries stay small next to the cache
+        step = max(1, (64 << 20) // (cache[0].numel() * cache.element_size()))
+        return [c for i in range(0, len(block_ids), step)
+                for c in sum64(cache[torch.as_tensor(block_ids[i:i + step], device=cache.device)])]
+    if algo not in (ALGO_CRC32, ALGO_XXH3):
+        raise CorruptBlock(f"unknown checksum algorithm {algo}")
+    if cache.device.type != "cpu":   # one gather + one device-to-host copy for all blocks
+        host = cache[torch.as_tensor(block_ids, device=cache.device)].cpu()
+        views = [tensor_bytes(b) for b in host]
+    else:
+        views = [tensor_bytes(cache[b]) for b in block_ids]
+    n = len(views)
+    if n < 8 or _POOL_THREADS == 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
+        # already on a hash thread (a chunk's hash): fanning out into the same pool could deadlock it
+        return [checksum(v, algo) for v in views]
+    step = -(-n // _POOL_THREADS)
+    parts = [views[i:i + step] for i in range(0, n, step)]
+    return [c for part in hash_pool().map(lambda vs: [checksum(v, algo) for v in vs], parts) for c in part]
+
+
+_weights: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _sum64_weights(n: int, device: torch.device) -> torch.Tensor:
+    """n odd pseudo-random 64-bit multipliers (splitmix64 of the word position): fixed, so any device agrees."""
+    key = (str(device), n)
+    w = _weights.get(key)
+    if w is None:
+        z = torch.arange(1, n + 1, dtype=torch.int64, device=device) * -7046029254386353131   # 0x9E3779B97F4A7C15
+        z = (z ^ _lsr(z, 30)) * -4658895280553007687                                         # 0xBF58476D1CE4E5B9
+        z = (z ^ _lsr(z, 27)) * -7723592293110705685                                         # 0x94D049BB133111EB
+        w = _weights[key] = (z ^ _lsr(z, 31)) | 1
+    return w
+
+
+def sum64(blocks: torch.Tensor) -> list[int]:
+    """ALGO_SUM64 of each block of ``blocks`` (n, ...): sum_i mix(x_i) * w_i mod 2^64 over the block's 64-bit words x_i,
+    with mix(x) = x ^ (x >>> 29) and odd multipliers w_i. Any change of a single word changes the sum (w_i is odd),
+    word swaps and shifts change it (w_i differ); it guards against damage and stale blocks, not against an adversary
+    (the params carrying it are signed). A handful of vectorized passes: fast on an accelerator, slow on CPU."""
+    n = blocks.shape[0]
+    words = blocks.contiguous().view(n, -1).view(torch.uint8)
+    if words.shape[1] % 8:
+        words = torch.nn.functional.pad(words, (0, 8 - words.shape[1] % 8))
+    words = words.view(torch.int64)
+    mixed = words ^ _lsr(words, 29)
+    sums = (mixed * _sum64_weights(words.shape[1], words.device)).sum(1)
+    return [int(v) & _M64 for v in sums.tolist()]
 
 
 def encode_header(block: torch.Tensor, fingerprint: str, block_hash: bytes, payload: memoryview | bytes) -> bytes:
     shape = list(block.shape) + [0] * (8 - block.dim())
-    algo = default_algo()
+    algo = default_algo()   # records are built on the host: xxHash3
     return _HEADER.pack(MAGIC, VERSION, algo, block.dim(), fingerprint.encode(), block_hash,
                         str(block.dtype).removeprefix("torch.").encode(), *shape, len(payload),
                         checksum(payload, algo))

@@ -3,27 +3,36 @@ DRAM on CPU, VRAM on CUDA), the vLLM ``NixlConnector`` protocol with leases, aut
 
 Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote_decode`` keeps its full prompt blocks
 (delay_free) under a lease of ``lease_s`` seconds (:mod:`leases`) and answers vLLM-shaped ``kv_transfer_params`` plus
-``lease_id``, ``fingerprint``, ``block_hashes`` and ``block_checksums`` (xxHash3/CRC-32 hex of each block at handoff).
+``lease_id``, ``fingerprint``, ``block_hashes`` and ``block_checksums`` (hex checksum of each block at handoff, in the
+signed ``checksum_algo``: xxHash3 on CPU caches, the vectorized SUM64 on accelerators; see
+:func:`block_codec.block_checksums`).
+Checksums are computed off the engine thread as the engine reports blocks computed (``request_scheduled_for_save``: a
+chunked prefill's earlier blocks are hashed while later chunks compute), so the handoff only hashes its last blocks.
 An authenticated side channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint,
 cache address), ``heartbeat`` (extends a live lease) and ``done`` (releases the lease if it is alive and held exactly
-the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or expired.
+the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or
+expired.
 The params are signed with the deployment's secret and expire with the lease (:mod:`kv_auth`).
 
 Decode - a request with ``do_remote_prefill`` params whose signature checks out (anything else is ignored before any
 connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
 its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
 bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, one NIXL READ with a deadline (heartbeats keep the
-lease alive while a long one runs), then ``done``: only a lease still valid after the read proves the prefill
-blocks were never freed and reused during it, so an expired lease fails the load (``lease_expired``) instead of
-returning wrong tokens, and params edited to point elsewhere fail it (``corrupt``). Finally each block's checksum is
-re-checked (``verify_checksums``, default on for CPU caches).
+re-handshaken next time), fingerprint check before any transfer, the READ in chunks of ``chunk_blocks`` blocks
+with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive while a long one runs), each
+chunk's checksums verified by the hash threads as soon as it lands while later chunks still move, then ``done``: only
+a lease still valid after the read proves the prefill blocks were never freed and reused during it, so an expired
+lease fails the load (``lease_expired``) instead of returning wrong tokens, and params edited to point elsewhere fail
+it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the request's prefix back to its
+first bad block and recomputes from there); a READ that fails (peer gone) fails the whole load. ``verify_checksums``:
+default on.
 
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
 is 0.0.0.0), ``token`` (else PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s``
-(10), ``verify_checksums``, ``backends`` (["UCX"]), ``engine_id``, ``progress_interval_s`` (0.001),
-``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices`` (default: the interface of
-``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing signed or checked).
+(10), ``verify_checksums`` (true), ``chunk_blocks`` (16), ``max_inflight`` (4), ``backends`` (["UCX"]), ``engine_id``,
+``progress_interval_s`` (0.001), ``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices``
+(default: the interface of ``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing
+signed or checked).
 
 CPU: NIXL's own progress thread spins a core, which starves the model's forward pass on small hosts, so agents run
 without it: the decode side progresses its READs while polling them, and the prefill side runs a light progress loop
@@ -37,6 +46,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +58,9 @@ try:
 except ImportError:  # the PyPI wheel for CUDA 12 installs the same API as nixl_cu12
     from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from pdserve.kv_connectors import kv_auth, side_channel, ucx_bind
+from pdserve.kv_connectors import block_codec, kv_auth, side_channel, ucx_bind
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_connector
-from pdserve.kv_connectors.block_codec import ALGO_CRC32, checksum, default_algo, tensor_bytes
+from pdserve.kv_connectors.block_codec import ALGO_CRC32, ALGOS, block_checksums, default_algo
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
                                                LoadTimeout, PeerUnreachable, logger)
 from pdserve.kv_connectors.leases import LeaseTable
@@ -84,7 +95,10 @@ class NixlConnector(LoadingConnector):
         self.max_side_channel_connections = int(config.get("max_side_channel_connections", 32))
         self.leases = LeaseTable(float(config.get("lease_s", 30.0)))
         self.handshake_timeout_s = float(config.get("handshake_timeout_s", 5.0))
-        self.verify_checksums = config.get("verify_checksums")
+        self.verify_checksums = bool(config.get("verify_checksums", True))
+        self.chunk_blocks = max(1, int(config.get("chunk_blocks", 16)))
+        self.max_inflight = max(1, int(config.get("max_inflight", 4)))
+        self._hashing: dict[str, tuple[int, list[tuple[list[int], Future]]]] = {}   # rid -> (hashed upto, chunks)
         self.backends = list(config.get("backends", ["UCX"]))
         self.progress_interval_s = float(config.get("progress_interval_s", 0.001))
         self.progress_grace_s = float(config.get("progress_grace_s", 10.0))
@@ -97,8 +111,7 @@ class NixlConnector(LoadingConnector):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         super().register_kv_caches(kv_cache)
         assert kv_cache.is_contiguous(), "NIXL registers the cache as one region"
-        if self.verify_checksums is None:
-            self.verify_checksums = kv_cache.device.type == "cpu"
+        self.checksum_algo = default_algo(kv_cache.device)
         with ucx_bind.bound_to(self.ucx_net_devices or ucx_bind.net_devices(self.host)):
             self.agent = nixl_agent(self.engine_id, nixl_agent_config(
                 backends=self.backends, enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
@@ -153,9 +166,36 @@ class NixlConnector(LoadingConnector):
             return {"valid": verdict == "valid", "verdict": verdict}
         raise ValueError(f"unknown op {op!r}")
 
+    def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int],
+                                   num_computed_tokens: int) -> None:
+        """Hash the prompt blocks a handoff request completed this step, off the engine thread (their KV is final)."""
+        if self.server is None or not self.verify_checksums or not (request.kv_transfer_params or {}).get(
+                "do_remote_decode"):
+            return
+        n = min(num_computed_tokens // self.spec.block_size, len(request.block_hashes), len(block_ids))
+        upto, chunks = self._hashing.get(request.request_id, (0, []))
+        if n < upto:   # cut back (a load error upstream): what was hashed may be recomputed differently
+            upto, chunks = 0, []
+        if n > upto:
+            ids = list(block_ids[upto:n])
+            fut = block_codec.hash_pool().submit(block_checksums, self.kv_cache, ids, self.checksum_algo)
+            chunks.append((ids, fut))
+        self._hashing[request.request_id] = (max(n, upto), chunks)
+
+    def _handoff_checksums(self, request_id: str, ids: list[int]) -> list[int]:
+        """Checksums of blocks ``ids``: those hashed in the background as they completed, the rest now."""
+        _, chunks = self._hashing.pop(request_id, (0, []))
+        out: list[int] = []
+        for chunk_ids, fut in chunks:
+            if ids[len(out):len(out) + len(chunk_ids)] != chunk_ids:
+                break
+            out += fut.result()
+        return out + block_checksums(self.kv_cache, ids[len(out):], self.checksum_algo)
+
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or self.server is None:
+            self._hashing.pop(request.request_id, None)
             return False, None
         n = min(len(request.block_hashes), len(block_ids))
         ids = list(block_ids[:n])
@@ -164,11 +204,11 @@ class NixlConnector(LoadingConnector):
                "remote_host": self.advertise_host, "remote_port": self.port, "tp_size": 1, "connector": self.name,
                "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]]}
         if not ids:
+            self._hashing.pop(request.request_id, None)
             return False, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
-        if self.verify_checksums:
-            algo = default_algo()   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
-            out["checksum_algo"] = algo
-            out["block_checksums"] = [f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" for b in ids]
+        if self.verify_checksums:   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
+            out["checksum_algo"] = self.checksum_algo
+            out["block_checksums"] = [f"{c:x}" for c in self._handoff_checksums(request.request_id, ids)]
         out["lease_id"] = self.leases.grant(request.request_id, ids, out["block_hashes"])
         out["lease_ms"] = int(self.leases.lease_s * 1000)
         return True, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
@@ -243,7 +283,22 @@ class NixlConnector(LoadingConnector):
         remote = [int(p["remote_block_ids"][i]) for i, _, _ in job.blocks]
         if any(not 0 <= r < peer.num_blocks for r in remote):
             raise CorruptBlock(f"remote block ids out of range for {peer.agent_name}")
-        self._read(job, peer, local, remote, lease_id)
+        sums = p.get("block_checksums") if self.verify_checksums else None
+        algo = int(p.get("checksum_algo", ALGO_CRC32))
+        if sums is not None and (algo not in ALGOS or len(sums) < max(i for i, _, _ in job.blocks) + 1):
+            raise CorruptBlock(f"checksums of {p.get('remote_request_id')} are unusable (algorithm {algo})")
+        checks: list[tuple[int, int, Future]] = []   # (start, end, checksums of local[start:end])
+
+        def verify_chunk(start: int, end: int) -> None:   # a chunk landed: hash it while later chunks move
+            if sums is not None:
+                checks.append((start, end, block_codec.hash_pool().submit(
+                    block_checksums, self.kv_cache, local[start:end], algo)))
+
+        try:
+            self._read(job, peer, local, remote, lease_id, on_chunk=verify_chunk)
+        finally:
+            for _, _, fut in checks:   # no hash may still read the blocks once this load ends
+                fut.exception()
         read = [[i, r, h.hex()] for (i, _, h), r in zip(job.blocks, remote)]
         verdict = self._call(peer, "done", {"lease_id": lease_id, "blocks": read}).get("verdict")
         if verdict == "mismatch":
@@ -251,24 +306,49 @@ class NixlConnector(LoadingConnector):
         if verdict != "valid":
             raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired before the read completed")
         errors: dict[int, KVLoadError] = {}
-        sums = p.get("block_checksums") if self.verify_checksums else None
-        algo = int(p.get("checksum_algo", ALGO_CRC32))
-        for i, b, _ in job.blocks if sums else ():
-            if f"{checksum(tensor_bytes(self.kv_cache[b].cpu()), algo):x}" != sums[i]:
-                errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
+        if sums is None:
+            return errors
+        covered = sum(e - s for s, e, _ in checks)
+        if covered != len(local):   # a _read that reported no chunks (tests wrap it): verify everything now
+            checks = [(0, len(local), block_codec.hash_pool().submit(block_checksums, self.kv_cache, local, algo))]
+        for start, end, fut in checks:
+            for (i, b, _), got in zip(job.blocks[start:end], fut.result()):
+                if f"{got:x}" != sums[i]:
+                    errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
         return errors
 
-    def _read(self, job: LoadJob, peer: Peer, local: list[int], remote: list[int], lease_id: str | None) -> None:
+    def _read(self, job: LoadJob, peer: Peer, local: list[int], remote: list[int], lease_id: str | None,
+              on_chunk: Callable[[int, int], None] | None = None) -> None:
+        """READ ``remote`` blocks into ``local`` ones in chunks, ``max_inflight`` at a time, calling ``on_chunk(start,
+        end)`` as each chunk lands (in order of completion)."""
         with self._lock:
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
-        handle = None
+        todo = [(s, min(s + self.chunk_blocks, len(local))) for s in range(0, len(local), self.chunk_blocks)]
+        todo.reverse()
+        inflight: list[tuple[int, int, Any]] = []
         try:
-            handle = self.agent.make_prepped_xfer("READ", self._local_descs, local, peer.descs, remote)
-            state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.load_timeout_s
             next_beat = time.monotonic() + self.leases.lease_s / 3
-            while state == "PROC":
+            while todo or inflight:
+                while todo and len(inflight) < self.max_inflight:
+                    start, end = todo.pop()
+                    handle = self.agent.make_prepped_xfer("READ", self._local_descs, local[start:end], peer.descs,
+                                                          remote[start:end])
+                    inflight.append((start, end, handle))
+                    if self.agent.transfer(handle) not in ("PROC", "DONE"):
+                        raise PeerUnreachable(f"NIXL READ from {peer.agent_name} could not start")
+                for item in list(inflight):
+                    state = self.agent.check_xfer_state(item[2])
+                    if state == "DONE":
+                        inflight.remove(item)
+                        item[2].release()
+                        if on_chunk is not None:
+                            on_chunk(item[0], item[1])
+                    elif state != "PROC":
+                        raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed ({state})")
+                if not inflight and not todo:
+                    break
                 now = time.monotonic()
                 if job.cancelled:
                     raise LoadTimeout("load cancelled by the watchdog")
@@ -278,9 +358,6 @@ class NixlConnector(LoadingConnector):
                     self._call(peer, "heartbeat", {"lease_id": lease_id})
                     next_beat = now + self.leases.lease_s / 3
                 time.sleep(0.0002)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed ({state})")
         except KVLoadError:
             self._drop_peer(peer)
             raise
@@ -288,11 +365,11 @@ class NixlConnector(LoadingConnector):
             self._drop_peer(peer)
             raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed: {e!r}") from e
         finally:
-            try:
-                if handle is not None:
+            for _, _, handle in inflight:
+                try:
                     handle.release()   # aborts a transfer still in flight
-            except Exception as e:
-                logger.warning("nixl: releasing a transfer handle failed: %r", e)
+                except Exception as e:
+                    logger.warning("nixl: releasing a transfer handle failed: %r", e)
 
     def _watchdog_s(self) -> float:
         # handshake + READ (heartbeats during it are bounded by the READ deadline's loop) + done, with slack

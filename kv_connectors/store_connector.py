@@ -4,10 +4,14 @@ Blocks are stored under their chained block hash (namespaced by the cache finger
 models or dtypes sharing one store never see each other's blocks) as :mod:`block_codec` records.
 
 * Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
-  (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background thread.
+  (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background thread
+  (a handoff's blocks on CPU without the snapshot: its ``request_finished`` waits for those writes, and should that
+  wait time out, keeps the blocks allocated (delay_free) until the writer is done with them).
   A prefill request with ``do_remote_decode`` is written synchronously before its ``kv_transfer_params`` are returned,
   so the decode side finds every block. A store that fails is skipped for ``retry_after_s`` (counted, never fatal).
-* Loading: a request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
+* Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
+  by parallel threads; a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
+  request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
   matches its own prompt (a missing one is then a load error the engine recovers from); any other request claims the
   run of consecutive blocks the store holds beyond its local prefix hits.
 """
@@ -63,6 +67,8 @@ class BlockStore(ABC):
 
 class StoreConnector(LoadingConnector):
     """Config (besides the store's own): ``save`` (default true), ``load`` (default true), ``retry_after_s`` (5),
+    ``fetch_chunk`` (32: records per round trip, the next chunk fetched while one is verified), ``read_threads`` (4:
+    parallel block reads of stores with single-copy reads, i.e. disk),
     ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff), ``params_ttl_s`` (120, how long signed
     handoff params stay valid), ``max_pending_save_bytes`` (256 MiB: block snapshots queued for the background writer
     beyond this are skipped and counted as ``kv_saves_skipped``, so a slow store cannot grow memory without bound)."""
@@ -85,6 +91,12 @@ class StoreConnector(LoadingConnector):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
         self._known_lock = threading.Lock()
         self._tls = threading.local()
+        self._live_writes: dict[str, int] = {}    # request id -> queued writes reading its live (unsnapshotted) blocks
+        self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
+        self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
+        self._readers = ThreadPoolExecutor(max(1, int(config.get("read_threads", 4))),
+                                           thread_name_prefix=f"pdserve-{self.name}-read")
 
     def _make_store(self, config: dict[str, Any]) -> BlockStore:
         raise NotImplementedError
@@ -115,33 +127,52 @@ class StoreConnector(LoadingConnector):
             raise FingerprintMismatch(f"prefill fingerprint {params['fingerprint']} != ours {self.fingerprint}")
         errors: dict[int, KVLoadError] = {}
         if self.store.direct:
-            # Read into this thread's staging buffer (no lock held during IO, so a stuck disk cannot stall the engine
-            # and the watchdog can always cancel), verify, then memcpy into the cache under the lock.
-            staging = getattr(self._tls, "staging", None)
-            if staging is None or len(staging) != self.spec.block_bytes:
-                staging = self._tls.staging = memoryview(bytearray(self.spec.block_bytes))
-            for _, block_id, h in job.blocks:
-                try:
-                    if job.cancelled:
-                        raise LoadTimeout("load cancelled after its deadline")
-                    header = self.store.read_into(h, staging)
-                    block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
-                    self._write_block(job, block_id, staging)
-                except KVLoadError as e:
+            # Blocks read in parallel (``read_threads``), each into its thread's staging buffer (no lock held during
+            # IO, so a stuck disk cannot stall the engine and the watchdog can always cancel), verified, then copied
+            # into the cache under the lock.
+            for block_id, e in self._readers.map(lambda blk: self._read_direct(job, blk[1], blk[2]), job.blocks):
+                if e is not None:
                     errors[block_id] = e
             return self._after_load(job, errors)
-        records = self.store.get_many([h for _, _, h in job.blocks])
-        for (_, block_id, h), data in zip(job.blocks, records):
+        # Chunks of ``fetch_chunk`` records, the next one fetched (one pipelined round trip) while this one is verified
+        # and copied in: the store's latency and the checksums overlap.
+        chunks = [job.blocks[i:i + self.fetch_chunk] for i in range(0, len(job.blocks), self.fetch_chunk)]
+        ahead = self._fetcher.submit(self.store.get_many, [h for _, _, h in chunks[0]])
+        for k, chunk in enumerate(chunks):
             try:
-                if data is None:
-                    raise MissingBlock(f"block {h.hex()[:16]} is not in the store")
-                header = block_codec.parse_header(data)
-                payload = memoryview(data)[block_codec.HEADER_SIZE:]
-                block_codec.verify(header, payload, self.fingerprint, h, self.dtype, self.block_shape)
-                self._write_block(job, block_id, payload)
-            except KVLoadError as e:
-                errors[block_id] = e
+                records = ahead.result()
+            except KVLoadError as e:   # the store failed mid-transfer: the verified prefix stays, the rest fails
+                errors.update({b: e for rest in chunks[k:] for _, b, _ in rest})
+                break
+            if k + 1 < len(chunks) and not job.cancelled:
+                ahead = self._fetcher.submit(self.store.get_many, [h for _, _, h in chunks[k + 1]])
+            for (_, block_id, h), data in zip(chunk, records):
+                try:
+                    if data is None:
+                        raise MissingBlock(f"block {h.hex()[:16]} is not in the store")
+                    header = block_codec.parse_header(data)
+                    payload = memoryview(data)[block_codec.HEADER_SIZE:]
+                    block_codec.verify(header, payload, self.fingerprint, h, self.dtype, self.block_shape)
+                    self._write_block(job, block_id, payload)
+                except KVLoadError as e:
+                    errors[block_id] = e
+            if job.cancelled:
+                break
         return self._after_load(job, errors)
+
+    def _read_direct(self, job: LoadJob, block_id: int, h: bytes) -> tuple[int, KVLoadError | None]:
+        staging = getattr(self._tls, "staging", None)
+        if staging is None or len(staging) != self.spec.block_bytes:
+            staging = self._tls.staging = memoryview(bytearray(self.spec.block_bytes))
+        try:
+            if job.cancelled:
+                raise LoadTimeout("load cancelled after its deadline")
+            header = self.store.read_into(h, staging)
+            block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
+            self._write_block(job, block_id, staging)
+        except KVLoadError as e:
+            return block_id, e
+        return block_id, None
 
     def _after_load(self, job: LoadJob, errors: dict[int, KVLoadError]) -> dict[int, KVLoadError]:
         self._remember([h for _, b, h in job.blocks if b not in errors])   # in the store already: never re-save
@@ -180,7 +211,11 @@ class StoreConnector(LoadingConnector):
         self._saved_upto.pop(request.request_id, None)
         if not handoff:
             return False, None
-        return False, kv_auth.sign_params({
+        with self._known_lock:   # a stuck writer still reading the live blocks: keep them until it is done
+            hold = request.request_id in self._live_writes
+            if hold:
+                self._held_for_writes.add(request.request_id)
+        return hold, kv_auth.sign_params({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
             "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
@@ -208,8 +243,16 @@ class StoreConnector(LoadingConnector):
         if not force and time.monotonic() < self._store_down_until:
             self.stats.add("kv_saves_skipped", len(todo))
             return
-        if sync and self.kv_cache.device.type == "cpu":   # written before returning: the live blocks will do
-            self._write(request.request_id, [h for h, _ in todo], [self.kv_cache[b] for _, b in todo])
+        if self.kv_cache.device.type == "cpu" and (sync or (request.kv_transfer_params or {}).get("do_remote_decode")):
+            # Written before the blocks can be freed, so the live blocks will do (no snapshot copy): a sync write
+            # returns first, and a handoff's request_finished waits for its queued writes (flush) before returning.
+            live = [self.kv_cache[b] for _, b in todo]
+            if sync:
+                self._write(request.request_id, [h for h, _ in todo], live)
+            else:
+                with self._known_lock:
+                    self._live_writes[request.request_id] = self._live_writes.get(request.request_id, 0) + 1
+                self._writer.submit(self._live_write, request.request_id, [h for h, _ in todo], live)
             return
         nbytes = len(todo) * self.spec.block_bytes
         if not sync:
@@ -227,6 +270,20 @@ class StoreConnector(LoadingConnector):
             self._write(request.request_id, [h for h, _ in todo], list(snap))
         else:
             self._writer.submit(self._queued_write, nbytes, request.request_id, [h for h, _ in todo], list(snap))
+
+    def _live_write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
+        try:
+            self._write(request_id, hashes, blocks)
+        finally:
+            with self._known_lock:
+                left = self._live_writes.pop(request_id) - 1
+                if left:
+                    self._live_writes[request_id] = left
+                release = not left and request_id in self._held_for_writes
+                self._held_for_writes.discard(request_id)
+            if release:   # the request finished while this write read its blocks: they may be freed now
+                with self._lock:
+                    self._sending_done.add(request_id)
 
     def _queued_write(self, nbytes: int, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
         try:
@@ -269,5 +326,7 @@ class StoreConnector(LoadingConnector):
 
     def shutdown(self) -> None:
         self._writer.shutdown(wait=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
         self.store.close()

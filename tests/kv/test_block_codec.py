@@ -56,3 +56,32 @@ def test_crc32_records_still_verify(monkeypatch):
     rec[-1] ^= 1
     with pytest.raises(CorruptBlock):
         block_codec.decode_block(bytes(rec), FP, H, torch.float32, SHAPE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algo", [block_codec.ALGO_CRC32, block_codec.ALGO_XXH3, block_codec.ALGO_SUM64])
+def test_block_checksums_match_per_block_and_catch_damage(dtype, algo):
+    """The fused checksum of many blocks equals each block's own, is computed in place (no copy: a change to the cache
+    shows), and changes with any flipped word, swapped words or a block moved to another id."""
+    cache = torch.randn((40, *SHAPE)).to(dtype)
+    ids = [3, 1, 7, *range(10, 30)]
+    sums = block_codec.block_checksums(cache, ids, algo)
+    assert sums == [block_codec.block_checksums(cache, [b], algo)[0] for b in ids]
+    if algo != block_codec.ALGO_SUM64:
+        assert sums == [block_codec.checksum(block_codec.tensor_bytes(cache[b]), algo) for b in ids]
+    assert len(set(sums)) == len(ids)
+    flat = cache[7].view(-1).view(torch.uint8)
+    flat[5] ^= 0x10
+    assert block_codec.block_checksums(cache, ids, algo)[2] != sums[2]
+    flat[5] ^= 0x10
+    words = cache[10].view(-1).view(torch.uint8).view(-1, 8)
+    words[[0, 1]] = words[[1, 0]].clone()
+    assert block_codec.block_checksums(cache, ids, algo)[3] != sums[3] or torch.equal(words[0], words[1])
+
+
+def test_block_checksums_from_hash_threads_do_not_deadlock():
+    """Chunk hashes run on the shared hash threads; one with many blocks must not wait on the same (busy) pool."""
+    cache = torch.randn((64, *SHAPE))
+    pool = block_codec.hash_pool()
+    futs = [pool.submit(block_codec.block_checksums, cache, list(range(64)), block_codec.ALGO_XXH3) for _ in range(8)]
+    assert all(f.result(timeout=60) == futs[0].result() for f in futs)

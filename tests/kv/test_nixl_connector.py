@@ -133,11 +133,11 @@ def test_lease_expiring_during_the_read_is_detected(decode, monkeypatch):
     params = _handoff(p)
     real_read = type(decode)._read
 
-    def slow_read(self, job, peer, local, remote, lease_id):
+    def slow_read(self, job, peer, local, remote, lease_id, **kw):
         time.sleep(0.5)
         assert p.get_finished()[0] == {"r"}
         p.kv_cache[SRC] = -1.0
-        real_read(self, job, peer, local, remote, lease_id)
+        real_read(self, job, peer, local, remote, lease_id, **kw)
 
     monkeypatch.setattr(type(decode), "_read", slow_read)
     before = decode.metrics()
@@ -236,3 +236,35 @@ def test_forged_params_cannot_read_or_cache_other_blocks(prefill_conn, decode):
     assert _delta(decode, before, "kv_load_failures{kind=corrupt}") == 2
     res = load(decode, Req("r", PROMPT, params), DST)                              # the real reader still succeeds
     assert not res.bad_blocks and torch.equal(decode.kv_cache[DST[4]], p.kv_cache[SRC[4]])
+
+
+def test_pipelined_read_cuts_at_the_damaged_block_and_keeps_the_rest_exact(prefill_conn):
+    """Chunks of one block, two in flight: each chunk is verified while later ones move. A block damaged after the
+    handoff (in the middle of the pipeline) is reported bad (the engine cuts the prefix there and recomputes), every
+    other block arrives bit-exact, and a later clean handoff through the same pipeline is whole."""
+    d = _conn("decode", chunk_blocks=1, max_inflight=2)
+    try:
+        params = _handoff(prefill_conn)
+        prefill_conn.kv_cache[SRC[2]].view(-1)[-1] += 1.0
+        res = load(d, Req("r", PROMPT, params), DST)
+        assert res.num_tokens == 5 * BLOCK and res.bad_blocks == {DST[2]}
+        assert all(torch.equal(prefill_conn.kv_cache[s], d.kv_cache[t]) for s, t in zip(SRC, DST[:5]))
+        assert d.metrics()["kv_load_failures{kind=corrupt}"] == 1
+        res = load(d, Req("r2", PROMPT, _handoff(prefill_conn, "r2")), DST)
+        assert not res.bad_blocks and all(torch.equal(prefill_conn.kv_cache[s], d.kv_cache[t])
+                                          for s, t in zip(SRC, DST[:5]))
+    finally:
+        d.shutdown()
+
+
+def test_checksums_are_of_the_blocks_as_computed_not_as_read(prefill_conn, decode):
+    """Blocks are hashed as the engine reports them computed (off its thread); a block that changes afterwards, before
+    the handoff, is caught by the decode side (main hashed only at the handoff, so missed it)."""
+    req = Req("early", PROMPT, {"do_remote_decode": True})
+    prefill_conn.request_scheduled_for_save(req, SRC, 2 * BLOCK + 1)          # a first chunk: blocks 0-1 computed
+    for _, fut in prefill_conn._hashing["early"][1]:                          # hashed by now (hash threads)
+        fut.result(timeout=60)
+    prefill_conn.kv_cache[SRC[1]].view(-1)[0] += 1.0                          # then block 1 changes under it
+    params = prefill(prefill_conn, req, SRC)
+    res = load(decode, Req("early", PROMPT, params), DST)
+    assert res.bad_blocks == {DST[1]}

@@ -35,6 +35,7 @@ TEXTS["shared"] = TEXTS["warm"] + " which emperor did the most to shape the laws
 FAULTS = ["delete", "corrupt", "fingerprint", "kill_redis", "lease_expired", "unreachable", "fail_policy", "sync"]
 for i, f in enumerate(FAULTS):
     TEXTS[f] = f"Case {i} ({f}): " + TEXTS["story"]
+TEXTS["midpipe"] = "Mid-pipeline case: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 
 
@@ -207,6 +208,35 @@ def test_fault_recomputes_to_the_same_output(pair, reference, case):
     first_bad = 1 if fault in ("delete", "corrupt") else 0
     loaded_end = (len(prompts[name]) - 1) // 16 * 16   # the loaded tokens from the first bad block on are redone
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - first_bad * 16
+
+
+def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
+    """NIXL READs one block per chunk, two in flight, each verified while later ones move; the prefill's middle block
+    changes after the handoff. The decode engine uses the blocks before it, recomputes from it on, and answers exactly
+    as the monolithic engine."""
+    if pair.name != "nixl":
+        pytest.skip("the store connectors' mid-transfer failure is covered in test_redis_connector")
+    prompts, expected = reference
+    prompt = {"midpipe": prompts["midpipe"]}
+    conn, src = pair.decode.engine.connector, pair.prefill.engine.connector
+    assert (len(prompts["midpipe"]) - 1) // 16 >= 3
+    params = pair.handoff(prompt)["midpipe"]
+    victim = params["remote_block_ids"][1]
+    saved = src.kv_cache[victim].clone()
+    src.kv_cache[victim].view(-1)[0] += 1.0          # block 1 of the prompt changes after the handoff
+    conn.chunk_blocks, conn.max_inflight = 1, 2
+    try:
+        before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+        out = pair.decode_run(prompt, {"midpipe": params})["midpipe"]
+    finally:
+        conn.chunk_blocks, conn.max_inflight = 16, 4
+        src.kv_cache[victim] = saved
+    assert out.error is None and out.outputs[0].token_ids == expected["midpipe"]
+    assert pair.metrics()["kv_load_failures{kind=corrupt}"] - before["kv_load_failures{kind=corrupt}"] == 1
+    stats = pair.decode.engine.get_stats()
+    assert stats.kv_load_failures - stats0.kv_load_failures == 1
+    loaded_end = (len(prompts["midpipe"]) - 1) // 16 * 16
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
 
 
 def test_fail_policy_ends_with_a_clean_error(pair, reference):

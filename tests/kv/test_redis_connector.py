@@ -122,3 +122,54 @@ def test_unresponsive_redis_times_out_cleanly():
         res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16], timeout=20)
         assert res.bad_blocks == set(range(10, 16)) and d.metrics()["kv_load_failures{kind=timeout}"] == 1
         assert load(d, Req("x", PROMPT), [1, 2, 3, 4, 5, 6, 7], timeout=20).num_tokens == 0
+
+
+def test_redis_dying_mid_pipelined_load_keeps_the_verified_prefix():
+    """Records come in chunks of two, the next chunk in flight while one is verified. Redis dies right after answering
+    the first chunk: those blocks load bit-exact, every later block is a load error (the engine cuts the prompt
+    there and recomputes the rest), nothing hangs. (Main fetched everything in one round trip: no partial load.)"""
+    with redis_server() as r:
+        p, d = _pair(r.url, fetch_chunk=2)
+        params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), IDS)
+        real_get_many, calls = d.store.get_many, []
+
+        def get_many_then_die(hashes):
+            out = real_get_many(hashes)
+            calls.append(len(hashes))
+            if len(calls) == 1:
+                r.kill()
+            return out
+
+        d.store.get_many = get_many_then_die
+        res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15, 16], timeout=20)
+        assert calls[0] == 2 and res.num_tokens == 6 * BLOCK
+        assert res.bad_blocks == {12, 13, 14, 15}
+        assert all(torch.equal(p.kv_cache[s], d.kv_cache[t]) for s, t in zip(IDS[:2], [10, 11]))
+        assert d.metrics()["kv_load_failures{kind=peer_unreachable}"] == 1 and d.metrics()["kv_blocks_loaded"] == 2
+
+
+def test_handoff_blocks_stay_allocated_while_a_stuck_writer_reads_them(server):
+    """A handoff's background saves read its live blocks (no snapshot copy). When the writer is stuck past the
+    handoff's wait, request_finished keeps the blocks (delay_free) and frees them only once the writer is done, so
+    the engine never reuses blocks a late write would store under the old hashes."""
+    import threading
+
+    p, _ = _pair(server.url, handoff_timeout_s=0.2)
+    real_put_many, gate, calls = p.store.put_many, threading.Event(), []
+
+    def stuck_once(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            assert gate.wait(30)
+        return real_put_many(items)
+
+    p.store.put_many = stuck_once
+    req = Req("stuck", PROMPT, {"do_remote_decode": True})
+    p.request_scheduled_for_save(req, IDS, len(PROMPT))       # queued: the writer blocks on the first put
+    delay, params = p.request_finished(req, IDS)              # its wait times out; the blocks are written again now
+    assert delay is True and params["block_hashes"]
+    assert "stuck" not in p.get_finished()[0]
+    gate.set()
+    p.flush()
+    assert p.get_finished()[0] == {"stuck"}
+    p.shutdown()
