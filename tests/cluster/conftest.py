@@ -1,0 +1,65 @@
+"""Session fixture of the one-node cluster tests: the real image (scripts/build-image.sh), the node binaries
+(scripts/k8s-test-bins.sh --node) and a NodeCluster inside a private network namespace.
+
+Building the inputs takes long (a multi-GB image, kubelet/kube-proxy/CoreDNS from Go sources), so a plain `pytest`
+run uses them only when they are cached and otherwise skips, naming the command that builds them: `make test-cluster`
+(which sets PDSERVE_CLUSTER_BUILD=1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.netns import network_namespace
+from tests.cluster.node import NODE_IP, NodeCluster, leftovers, tools_missing
+from tests.operator.kubeenv import BUILD_SCRIPT, REPO
+
+IMAGE_SCRIPT = REPO / "scripts" / "build-image.sh"
+PAUSE_SCRIPT = REPO / "scripts" / "cluster" / "pause-image.sh"
+NODE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm", "kubelet",
+                 "kube-proxy", "coredns")
+BUILD = os.environ.get("PDSERVE_CLUSTER_BUILD") == "1"
+
+
+def _script(path: Path, *args: str, timeout: float = 10) -> Path:
+    return Path(subprocess.check_output(["bash", str(path), *args], text=True, timeout=timeout).strip())
+
+
+def cluster_inputs() -> tuple[Path, list[Path]]:
+    """(bin dir, image archives), building what is missing when PDSERVE_CLUSTER_BUILD=1, else skipping."""
+    bins = _script(BUILD_SCRIPT, "--print")
+    archives = [_script(IMAGE_SCRIPT, "--print", timeout=60), _script(PAUSE_SCRIPT, "--print")]
+    missing = [str(bins / b) for b in NODE_BINARIES if not (bins / b).is_file()]
+    missing += [str(a) for a in archives if not a.is_file()]
+    if missing and not BUILD:
+        pytest.skip(f"cluster inputs not built (run `make test-cluster`): missing {', '.join(missing)}")
+    if missing:
+        subprocess.run(["bash", str(BUILD_SCRIPT), "--node"], check=True, timeout=4 * 3600)
+        archives = [_script(IMAGE_SCRIPT, timeout=4 * 3600), _script(PAUSE_SCRIPT, timeout=600)]
+    return bins, archives
+
+
+@pytest.fixture(scope="session")
+def node_cluster(tmp_path_factory) -> NodeCluster:
+    if os.geteuid() != 0:
+        pytest.skip("the one-node cluster needs root (network namespaces, containerd, kubelet)")
+    if missing := tools_missing():
+        pytest.skip(f"missing node tools: {', '.join(missing)} (Debian: containerd runc containernetworking-plugins "
+                    "iptables etcd-server)")
+    bins, archives = cluster_inputs()
+    workdir = tmp_path_factory.mktemp("node")
+    with network_namespace(f"pdserve-{uuid.uuid4().hex[:8]}", f"{NODE_IP}/24"):
+        cluster = NodeCluster(workdir, bins, archives)
+        try:
+            cluster.start()
+            print(f"\ncluster timings: {cluster.timings}")
+            yield cluster
+        finally:
+            cluster.stop()
+            left = leftovers(workdir)
+    assert not left, f"the cluster left behind: {left}"
