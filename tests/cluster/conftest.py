@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.netns import network_namespace
-from tests.cluster.node import NODE_IP, NodeCluster, leftovers, tools_missing
+from tests.cluster.node import NODE_IP, NodeCluster, leftovers, tools_missing, top_cgroups
 from tests.operator.kubeenv import BUILD_SCRIPT, REPO
 
 IMAGE_SCRIPT = REPO / "scripts" / "build-image.sh"
@@ -53,6 +53,7 @@ def node_cluster(tmp_path_factory) -> NodeCluster:
                     "iptables etcd-server)")
     bins, archives = cluster_inputs()
     workdir = tmp_path_factory.mktemp("node")
+    cgroups = top_cgroups()
     with network_namespace(f"pdserve-{uuid.uuid4().hex[:8]}", f"{NODE_IP}/24"):
         cluster = NodeCluster(workdir, bins, archives)
         try:
@@ -61,5 +62,5 @@ def node_cluster(tmp_path_factory) -> NodeCluster:
             yield cluster
         finally:
             cluster.stop()
-            left = leftovers(workdir)
+            left = leftovers(workdir, cgroups)
     assert not left, f"the cluster left behind: {left}"

@@ -1,7 +1,8 @@
 """A private network namespace for the one-node cluster, and a way for this process to work inside it.
 
-The node's addresses (NODE_IP on a dummy interface, the pod bridge, Service ClusterIPs) exist only inside the
-namespace; its default route points into the dummy interface, so nothing can leave it. Deleting the namespace removes
+The node's addresses (NODE_IP on ``node0``, the pod bridge, Service ClusterIPs) exist only inside the namespace.
+``node0`` is a bridge with no ports (the kernel here has no dummy driver): its address is local and the default route
+into it goes nowhere, so nothing can leave the namespace. Deleting the namespace removes
 its interfaces, bridges and iptables rules with it.
 """
 
@@ -30,14 +31,14 @@ def _setns(fd: int) -> None:
 
 @contextlib.contextmanager
 def network_namespace(name: str, node_cidr: str) -> Iterator[Path]:
-    """Create netns ``name`` with lo up and ``node0`` (dummy) holding ``node_cidr``; yields /run/netns/<name>.
+    """Create netns ``name`` with lo up and ``node0`` holding ``node_cidr``; yields /run/netns/<name>.
 
     The calling thread (and every process and thread it starts meanwhile) runs inside the namespace until exit.
     """
     _ip("netns", "add", name)
     path = Path("/run/netns") / name
     try:
-        for cmd in (["link", "set", "lo", "up"], ["link", "add", "node0", "type", "dummy"],
+        for cmd in (["link", "set", "lo", "up"], ["link", "add", "node0", "type", "bridge"],
                     ["addr", "add", node_cidr, "dev", "node0"], ["link", "set", "node0", "up"],
                     ["route", "add", "default", "dev", "node0"]):
             _ip("-n", name, *cmd)

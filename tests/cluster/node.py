@@ -73,6 +73,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [{cri}]
   sandbox_image = "registry.k8s.io/pause:3.10"
   netns_mounts_under_state_dir = true
+  # pods' oom_score_adj no lower than containerd's own: lowering it needs CAP_SYS_RESOURCE, which a test machine (itself
+  # a container) may lack; runc then fails with "can't get final child's PID from pipe: EOF"
+  restrict_oom_score_adj = true
   [{cri}.cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "{d}/cni"
@@ -154,6 +157,7 @@ class NodeCluster:
     http: httpx.Client | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    cgroups: set[Path] = field(default_factory=set)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> NodeCluster:
@@ -164,6 +168,7 @@ class NodeCluster:
         (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
         (d / "resolv.conf").write_text(f"nameserver {NODE_IP}\n")
         self.sysctls = {k: Path("/proc/sys", k).read_text().strip() for k in KUBELET_SYSCTLS}
+        self.cgroups = top_cgroups()
         self._spawn("etcd", ["etcd", "--name", "node", "--data-dir", str(d / "etcd"),
                              "--listen-client-urls", "http://127.0.0.1:2379",
                              "--advertise-client-urls", "http://127.0.0.1:2379",
@@ -254,6 +259,10 @@ class NodeCluster:
         self._kill_shims()
         for mount in self.mounts():
             subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
+        for top in top_cgroups() - self.cgroups:  # only the cluster's own, emptied once its containers stopped
+            for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                sub.rmdir()
+            top.rmdir()
         for key, value in self.sysctls.items():
             if Path("/proc/sys", key).read_text().strip() != value:
                 Path("/proc/sys", key).write_text(value)
@@ -358,8 +367,22 @@ class NodeCluster:
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
-def leftovers(workdir: Path) -> list[str]:
-    """Processes whose command line names the work directory, and mounts under it: what a clean stop leaves none of."""
+# First-level cgroups the cluster creates: containerd's CRI puts pods under /k8s.io when the kubelet runs without QoS
+# cgroups (cgroupsPerQOS: false); the names the kubelet would use are listed too. Other processes of the machine make
+# their own cgroups meanwhile: only these names are ever removed.
+CLUSTER_CGROUPS = ("k8s.io", "kubepods", "kubepods.slice")
+
+
+def top_cgroups() -> set[Path]:
+    """The CLUSTER_CGROUPS that exist now, in every cgroup v1 controller."""
+    root = Path("/sys/fs/cgroup")
+    return {ctl / n for ctl in root.iterdir() if ctl.is_dir() for n in CLUSTER_CGROUPS if (ctl / n).is_dir()} \
+        if root.is_dir() else set()
+
+
+def leftovers(workdir: Path, cgroups: set[Path] | None = None) -> list[str]:
+    """Processes whose command line names the work directory, mounts under it and first-level cgroups not in
+    ``cgroups``: what a clean stop leaves none of."""
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
@@ -371,6 +394,8 @@ def leftovers(workdir: Path) -> list[str]:
     prefix = str(workdir)
     found += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if line.split()[4].startswith(prefix)]
+    if cgroups is not None:
+        found += [f"cgroup {p}" for p in sorted(top_cgroups() - cgroups)]
     return found
 
 
