@@ -10,8 +10,8 @@
 #    (TORCH_INDEX_URL) and EXTRAS=operator,nixl; tagged ghcr.io/pdserve/pdserve:<chart appVersion> (the operator's
 #    default image), so the chart and the operator use it as they would in a real cluster.
 # 3. `buildah push` to ${PDSERVE_CACHE_DIR:-~/.cache/pdserve}/image/pdserve-<inputs hash>.oci.tar (oci-archive), named by a
-#    hash of every build input (Dockerfile, .dockerignore, pyproject.toml, README.md, package sources, this script), so
-#    an unchanged tree reuses it. `ctr -n k8s.io images import` loads it into containerd (tests/cluster).
+#    hash of the build inputs (Dockerfile, .dockerignore, pyproject.toml, package sources, base packages, build args),
+#    so an unchanged tree reuses it. `ctr -n k8s.io images import` loads it into containerd (tests/cluster).
 # Needs root plus Debian's mmdebstrap and buildah (installed with apt when missing).
 set -euo pipefail
 
@@ -24,13 +24,16 @@ BASE_TAG="localhost/pdserve-base:bookworm"
 BASE_PACKAGES="python3,python3-venv,ca-certificates"
 TORCH_INDEX_URL="${PDSERVE_TORCH_INDEX_URL:-https://pypi.org/simple}"
 MIRROR="${PDSERVE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+EXTRAS="operator,nixl"  # nixl: the KV transfer of crds/examples/smollm2-pd.yaml
 log() { echo "[build-image] $*" >&2; }
 
-inputs_hash() {  # every file that goes into the build context, plus this script and the base recipe
+# The build's inputs: every file of the build context and the settings below. README.md is left out on purpose: it is
+# only the package's long description, and hashing it would rebuild a multi-GB image for every documentation edit.
+BUILD_RECIPE="bookworm $BASE_PACKAGES $MIRROR $TORCH_INDEX_URL $TAG $EXTRAS"
+inputs_hash() {
   (cd "$ROOT" && {
-    printf '%s\n' "$BASE_PACKAGES" "$TORCH_INDEX_URL" "$TAG"
-    find Dockerfile .dockerignore pyproject.toml README.md scripts/build-image.sh \
-      pdserve runtime router kv_connectors kernels operator \
+    printf '%s\n' "$BUILD_RECIPE"
+    find Dockerfile .dockerignore pyproject.toml pdserve runtime router kv_connectors kernels operator \
       -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum
   } | sha256sum | cut -c1-16)
 }
@@ -68,7 +71,7 @@ pipconf="$(mktemp)"; trap 'rm -f "$pipconf"' EXIT
 log "buildah bud $TAG (torch from $TORCH_INDEX_URL)"
 buildah bud --isolation=chroot --layers=false --pull=false --format=oci \
   --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
-  --build-arg EXTRAS=operator,nixl \
+  --build-arg EXTRAS="$EXTRAS" \
   --volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
   --volume "$pipconf:/etc/pip.conf:ro" \
   -t "$TAG" -f "$ROOT/Dockerfile" "$ROOT"

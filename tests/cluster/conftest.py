@@ -21,8 +21,8 @@ from tests.operator.kubeenv import BUILD_SCRIPT, REPO
 
 IMAGE_SCRIPT = REPO / "scripts" / "build-image.sh"
 PAUSE_SCRIPT = REPO / "scripts" / "cluster" / "pause-image.sh"
-NODE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm", "kubelet",
-                 "kube-proxy", "coredns")
+NODE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy",
+                 "coredns")
 BUILD = os.environ.get("PDSERVE_CLUSTER_BUILD") == "1"
 
 
@@ -30,32 +30,30 @@ def _script(path: Path, *args: str, timeout: float = 10) -> Path:
     return Path(subprocess.check_output(["bash", str(path), *args], text=True, timeout=timeout).strip())
 
 
-def cluster_inputs() -> tuple[Path, list[Path]]:
-    """(bin dir, image archives), building what is missing when PDSERVE_CLUSTER_BUILD=1, else skipping."""
-    bins = _script(BUILD_SCRIPT, "--print")
-    archives = [_script(IMAGE_SCRIPT, "--print", timeout=60), _script(PAUSE_SCRIPT, "--print")]
-    missing = [str(bins / b) for b in NODE_BINARIES if not (bins / b).is_file()]
-    missing += [str(a) for a in archives if not a.is_file()]
+def _missing_or_build(paths: list[Path], build: list[list[str]]) -> None:
+    missing = [str(p) for p in paths if not p.is_file()]
     if missing and not BUILD:
         pytest.skip(f"cluster inputs not built (run `make test-cluster`): missing {', '.join(missing)}")
-    if missing:
-        subprocess.run(["bash", str(BUILD_SCRIPT), "--node"], check=True, timeout=4 * 3600)
-        archives = [_script(IMAGE_SCRIPT, timeout=4 * 3600), _script(PAUSE_SCRIPT, timeout=600)]
-    return bins, archives
+    for cmd in build if missing else []:
+        subprocess.run(cmd, check=True, timeout=4 * 3600)
 
 
 @pytest.fixture(scope="session")
 def node_cluster(tmp_path_factory) -> NodeCluster:
+    """The running node (its pod sandbox image imported); skips when not root, tools or node binaries are missing."""
     if os.geteuid() != 0:
         pytest.skip("the one-node cluster needs root (network namespaces, containerd, kubelet)")
     if missing := tools_missing():
         pytest.skip(f"missing node tools: {', '.join(missing)} (Debian: containerd runc containernetworking-plugins "
                     "iptables etcd-server)")
-    bins, archives = cluster_inputs()
+    bins = _script(BUILD_SCRIPT, "--print")
+    pause = _script(PAUSE_SCRIPT, "--print")
+    _missing_or_build([bins / b for b in NODE_BINARIES] + [pause],
+                      [["bash", str(BUILD_SCRIPT), "--node"], ["bash", str(PAUSE_SCRIPT)]])
     workdir = tmp_path_factory.mktemp("node")
     cgroups = top_cgroups()
     with network_namespace(f"pdserve-{uuid.uuid4().hex[:8]}", f"{NODE_IP}/24"):
-        cluster = NodeCluster(workdir, bins, archives)
+        cluster = NodeCluster(workdir, bins, [pause])
         try:
             cluster.start()
             print(f"\ncluster timings: {cluster.timings}")
@@ -64,3 +62,12 @@ def node_cluster(tmp_path_factory) -> NodeCluster:
             cluster.stop()
             left = leftovers(workdir, cgroups)
     assert not left, f"the cluster left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def pdserve_image(node_cluster: NodeCluster) -> str:
+    """The image built from the Dockerfile (scripts/build-image.sh), imported into the node's containerd."""
+    archive = _script(IMAGE_SCRIPT, "--print", timeout=60)
+    _missing_or_build([archive, node_cluster.bins / "helm"], [["bash", str(IMAGE_SCRIPT)], ["bash", str(BUILD_SCRIPT)]])
+    node_cluster.import_image(archive)
+    return archive.name

@@ -48,7 +48,7 @@ def monolithic_answer() -> str:
 
 def example_manifest() -> str:
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["runtime"]["resources"]["requests"]["cpu"] = "100m"  # see the module docstring
+    doc["spec"]["runtime"]["resources"]["requests"]["cpu"] = "400m"  # see the module docstring
     return yaml.safe_dump(doc)
 
 
@@ -84,7 +84,7 @@ def chat(client: OpenAI) -> str:
     return r.choices[0].message.content
 
 
-def test_inference_service_on_a_real_node(node_cluster: NodeCluster, monolithic_answer: str):
+def test_inference_service_on_a_real_node(node_cluster: NodeCluster, pdserve_image: str, monolithic_answer: str):
     c = node_cluster
     t0 = time.monotonic()
     c.helm("install", "pdserve", str(CHART), "--namespace", "pdserve-system", "--create-namespace",
