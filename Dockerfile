@@ -9,7 +9,7 @@
 #
 # Multi-stage: the builder resolves and installs every wheel into /opt/pdserve (a venv); the final stage copies only
 # that venv onto the same base (so the venv's interpreter path matches) and holds no compilers or pip caches.
-# Runs as the numeric non-root user 10001 and writes only to /cache (HOME and all caches) and /tmp, so it works with
+# Runs as the numeric non-root user 10001 (with a passwd entry: kopf and getpass.getuser() look the user up) and writes only to /cache (HOME and all caches) and /tmp, so it works with
 # readOnlyRootFilesystem: true when those two paths are volumes (the operator's pods mount emptyDirs there).
 ARG BASE_IMAGE=python:3.12-slim-bookworm
 
@@ -48,7 +48,9 @@ RUN if ! command -v python3 >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends python3 \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
- && mkdir -p /cache /tmp && chown 10001:10001 /cache && chmod 1777 /tmp
+ && mkdir -p /cache /tmp && chown 10001:10001 /cache && chmod 1777 /tmp \
+ && echo "pdserve:x:10001:10001:pdserve:/cache:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "pdserve:x:10001:" >> /etc/group
 COPY --from=builder /opt/pdserve /opt/pdserve
 ENV PATH=/opt/pdserve/bin:${PATH} \
     HOME=/cache \

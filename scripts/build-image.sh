@@ -69,7 +69,8 @@ pipconf="$(mktemp)"; trap 'rm -f "$pipconf"' EXIT
 { echo "[global]"; echo "cert = /etc/ssl/certs/ca-certificates.crt"; echo "timeout = 180"
   [[ -n "${PIP_INDEX_URL:-}" ]] && echo "index-url = $PIP_INDEX_URL"; } > "$pipconf"
 log "buildah bud $TAG (torch from $TORCH_INDEX_URL)"
-buildah bud --isolation=chroot --layers=false --pull=false --format=oci \
+# --layers: an edit of the final stage reuses the builder stage (several GB of wheels) from buildah's local store.
+buildah bud --isolation=chroot --layers --pull=false --format=oci \
   --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
   --build-arg EXTRAS="$EXTRAS" \
   --volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
@@ -78,7 +79,8 @@ buildah bud --isolation=chroot --layers=false --pull=false --format=oci \
 
 # 3. Export (older archives of other inputs are removed: one image of several GB is enough).
 rm -f "$CACHE"/pdserve-*.oci.tar "$CACHE"/*.tmp
-buildah push --quiet "$TAG" "oci-archive:$ARCHIVE.tmp:$TAG"
+# uncompressed: gzip of several GB is minutes of one core at export and again at every `ctr images import`
+buildah push --quiet --disable-compression "$TAG" "oci-archive:$ARCHIVE.tmp:$TAG"
 mv "$ARCHIVE.tmp" "$ARCHIVE"
 log "built $TAG in $((SECONDS - start))s: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
 echo "$ARCHIVE"

@@ -185,7 +185,9 @@ class NodeCluster:
             "--service-account-issuer", "https://kubernetes.default.svc", "--api-audiences",
             "https://kubernetes.default.svc", "--service-account-key-file", str(d / "sa.pub"),
             "--service-account-signing-key-file", str(d / "sa.key"), "--service-cluster-ip-range", SERVICE_RANGE,
-            "--allow-privileged=true", "--profiling=false", "--enable-priority-and-fairness=false", "--v", "1"])
+            "--allow-privileged=true", "--profiling=false", "--enable-priority-and-fairness=false", "--v", "1",
+            # logs/exec reach the kubelet at NODE_IP, not by resolving the node's name through the machine's DNS
+            "--kubelet-preferred-address-types", "InternalIP"])
         self.kubeconfig = write_kubeconfig(d / "admin.kubeconfig", self.server, d / "ca.crt", self.token)
         self.http = httpx.Client(base_url=self.server, verify=ssl.create_default_context(cafile=str(d / "ca.crt")),
                                  timeout=30, headers={"Authorization": f"Bearer {self.token}"})
