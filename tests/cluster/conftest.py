@@ -9,7 +9,9 @@ run uses them only when they are cached and otherwise skips, naming the command 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -39,7 +41,7 @@ def _missing_or_build(paths: list[Path], build: list[list[str]]) -> None:
 
 
 @pytest.fixture(scope="session")
-def node_cluster(tmp_path_factory) -> NodeCluster:
+def node_cluster() -> NodeCluster:
     """The running node (its pod sandbox image imported); skips when not root, tools or node binaries are missing."""
     if os.geteuid() != 0:
         pytest.skip("the one-node cluster needs root (network namespaces, containerd, kubelet)")
@@ -50,7 +52,9 @@ def node_cluster(tmp_path_factory) -> NodeCluster:
     pause = _script(PAUSE_SCRIPT, "--print")
     _missing_or_build([bins / b for b in NODE_BINARIES] + [pause],
                       [["bash", str(BUILD_SCRIPT), "--node"], ["bash", str(PAUSE_SCRIPT)]])
-    workdir = tmp_path_factory.mktemp("node")
+    # Not under pytest's basetemp: pytest sessions running beside this one rotate old basetemps away, which would
+    # delete a running cluster's sockets and state.
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-node-"))
     cgroups = top_cgroups()
     with network_namespace(f"pdserve-{uuid.uuid4().hex[:8]}", f"{NODE_IP}/24"):
         cluster = NodeCluster(workdir, bins, [pause])
@@ -61,7 +65,8 @@ def node_cluster(tmp_path_factory) -> NodeCluster:
         finally:
             cluster.stop()
             left = leftovers(workdir, cgroups)
-    assert not left, f"the cluster left behind: {left}"
+    assert not left, f"the cluster left behind: {left} (work directory {workdir} kept)"
+    shutil.rmtree(workdir)
 
 
 @pytest.fixture(scope="session")
