@@ -11,6 +11,7 @@ changes; deleting the namespace then removes the bridge and kube-proxy's iptable
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -240,40 +241,67 @@ class NodeCluster:
                                   for c in node["status"].get("conditions", []))
 
     def stop(self) -> None:
-        """Pods first (the kubelet tears them down through containerd), then processes, mounts, sysctls."""
-        if self.procs.get("kubelet") and self.procs["kubelet"].poll() is None and self.http:
+        """Pods first (the kubelet tears them down through containerd; the controllers are stopped so that no
+        ReplicaSet replaces them), then the kubelet, whatever containers remain, the processes, the container
+        processes still in the cluster's cgroups, mounts and cgroups; the kubelet's sysctls are restored in any case."""
+        try:
+            if self._running("kubelet") and self.http:
+                self._terminate("kube-controller-manager", "kube-scheduler")  # nothing recreates deleted pods
+                try:
+                    for ns in self.get("/api/v1/namespaces")["items"]:
+                        self.http.delete(f"/api/v1/namespaces/{ns['metadata']['name']}/pods",
+                                         params={"gracePeriodSeconds": 0})
+                    self.wait_for(lambda: not self.get("/api/v1/pods")["items"], 120, "every pod deleted",
+                                  check_procs=False)
+                    self.wait_for(lambda: not self.crictl_pods(), 120, "every sandbox removed", check_procs=False)
+                except Exception as e:  # noqa: BLE001 - teardown goes on; leftovers are removed below
+                    print(f"pod teardown: {e!r}")
+            self._terminate("kubelet")
+            if self._running("containerd"):
+                self._remove_all_containers()
+            self._terminate(*reversed(list(self.procs)))
+            self._kill_shims()
+            self._kill_cgroup_processes()
+            for mount in self.mounts():
+                subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
+            for top in top_cgroups() - self.cgroups:  # only the cluster's own, emptied above
+                for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                    sub.rmdir()
+                top.rmdir()
+        finally:
+            for key, value in self.sysctls.items():
+                if Path("/proc/sys", key).read_text().strip() != value:
+                    Path("/proc/sys", key).write_text(value)
+            if self.http:
+                self.http.close()
+
+    def _running(self, name: str) -> bool:
+        return name in self.procs and self.procs[name].poll() is None
+
+    def _terminate(self, *names: str) -> None:
+        for name in names:
+            if self._running(name):
+                os.killpg(self.procs[name].pid, signal.SIGTERM)
+        for name in names:
             try:
-                for ns in self.get("/api/v1/namespaces")["items"]:
-                    self.http.delete(f"/api/v1/namespaces/{ns['metadata']['name']}/pods",
-                                     params={"gracePeriodSeconds": 0})
-                self.wait_for(lambda: not self.get("/api/v1/pods")["items"], 120, "every pod deleted",
-                              check_procs=False)
-                self.wait_for(lambda: not self.crictl_pods(), 120, "every sandbox removed", check_procs=False)
-            except Exception as e:  # noqa: BLE001 - teardown goes on; leftovers are removed below
-                print(f"pod teardown: {e!r}")
-        if self.procs.get("containerd") and self.procs["containerd"].poll() is None:
-            self._remove_all_containers()
-        for name, proc in reversed(list(self.procs.items())):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
+                self.procs[name].wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        self._kill_shims()
-        for mount in self.mounts():
-            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=30)
-        for top in top_cgroups() - self.cgroups:  # only the cluster's own, emptied once its containers stopped
-            for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                sub.rmdir()
-            top.rmdir()
-        for key, value in self.sysctls.items():
-            if Path("/proc/sys", key).read_text().strip() != value:
-                Path("/proc/sys", key).write_text(value)
-        if self.http:
-            self.http.close()
+                os.killpg(self.procs[name].pid, signal.SIGKILL)
+                self.procs[name].wait(timeout=10)
+            except KeyError:
+                pass
+
+    def _kill_cgroup_processes(self) -> None:
+        """Container processes a killed shim left running, found in the cgroups only this cluster created."""
+        for _ in range(20):
+            pids = {int(p) for top in top_cgroups() - self.cgroups for f in top.rglob("cgroup.procs")
+                    for p in f.read_text().split()}
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
 
     def _remove_all_containers(self) -> None:
         """Whatever the kubelet left: stop and delete every task and container containerd still holds."""
