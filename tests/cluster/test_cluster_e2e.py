@@ -103,8 +103,8 @@ def test_inference_service_on_a_real_node(node_cluster: NodeCluster, pdserve_ima
                300, "router discovers prefill and decode", interval=2)
     assert chat(client) == monolithic_answer
     text = router_metrics(c)
-    assert metric(text, "pdserve_router_pd_decisions", decision="disaggregated") >= 1, text
-    assert metric(text, "pdserve_router_routing_decisions", role="prefill") >= 1, text
+    assert metric(text, "pdserve_router_pd_decisions_total", decision="disaggregated") >= 1, text
+    assert metric(text, "pdserve_router_routing_decisions_total", role="prefill") >= 1, text
 
     # Delete the decode pod: its Deployment replaces it and traffic recovers.
     old = wait_pods(c, "decode", 1)[0]["metadata"]["name"]
