@@ -79,8 +79,7 @@ buildah bud --isolation=chroot --layers --pull=false --format=oci \
 
 # 3. Export (older archives of other inputs are removed: one image of several GB is enough).
 rm -f "$CACHE"/pdserve-*.oci.tar "$CACHE"/*.tmp
-# uncompressed: gzip of several GB is minutes of one core at export and again at every `ctr images import`
-buildah push --quiet --disable-compression "$TAG" "oci-archive:$ARCHIVE.tmp:$TAG"
+buildah push --quiet "$TAG" "oci-archive:$ARCHIVE.tmp:$TAG"
 mv "$ARCHIVE.tmp" "$ARCHIVE"
 log "built $TAG in $((SECONDS - start))s: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
 echo "$ARCHIVE"
