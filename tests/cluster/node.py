@@ -33,6 +33,7 @@ NODE_IP = "10.199.0.1"
 POD_SUBNET = "10.244.0.0/24"
 SERVICE_RANGE = "10.96.0.0/16"
 API_PORT = 6443
+SHIM_RUN_DIR = Path("/run/containerd")
 # Sysctls the kubelet sets on start (pkg/kubelet/cm setupKernelTunables); restored at stop.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
@@ -86,6 +87,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       runtime_type = "io.containerd.runc.v2"
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
+        Root = "{d}/runc"
 """
 
 
@@ -159,6 +161,7 @@ class NodeCluster:
     sysctls: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     cgroups: set[Path] = field(default_factory=set)
+    run_dir_existed: bool = True
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> NodeCluster:
@@ -170,6 +173,7 @@ class NodeCluster:
         (d / "resolv.conf").write_text(f"nameserver {NODE_IP}\n")
         self.sysctls = {k: Path("/proc/sys", k).read_text().strip() for k in KUBELET_SYSCTLS}
         self.cgroups = top_cgroups()
+        self.run_dir_existed = SHIM_RUN_DIR.exists()
         self._spawn("etcd", ["etcd", "--name", "node", "--data-dir", str(d / "etcd"),
                              "--listen-client-urls", "http://127.0.0.1:2379",
                              "--advertise-client-urls", "http://127.0.0.1:2379",
@@ -268,6 +272,10 @@ class NodeCluster:
                 for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
                     sub.rmdir()
                 top.rmdir()
+            if not self.run_dir_existed:  # containerd 1.6 keeps shim sockets there, whatever its config says
+                with contextlib.suppress(OSError):
+                    (SHIM_RUN_DIR / "s").rmdir()
+                    SHIM_RUN_DIR.rmdir()
         finally:
             for key, value in self.sysctls.items():
                 if Path("/proc/sys", key).read_text().strip() != value:
