@@ -1,4 +1,4 @@
-"""Session fixture of the one-node cluster tests: the real image (scripts/build-image.sh), the node binaries
+"""Fixtures of the one-node cluster tests: the real image (scripts/build-image.sh), the node binaries
 (scripts/k8s-test-bins.sh --node) and a NodeCluster inside a private network namespace.
 
 Building the inputs takes long (a multi-GB image, kubelet/kube-proxy/CoreDNS from Go sources), so a plain `pytest`
@@ -40,7 +40,9 @@ def _missing_or_build(paths: list[Path], build: list[list[str]]) -> None:
         subprocess.run(cmd, check=True, timeout=4 * 3600)
 
 
-@pytest.fixture(scope="session")
+# Module scope: the fixture keeps this process inside the node's network namespace while the cluster runs, which must
+# not outlast the cluster tests when they run within the whole suite (a fresh node starts in ~10 s).
+@pytest.fixture(scope="module")
 def node_cluster() -> NodeCluster:
     """The running node (its pod sandbox image imported); skips when not root, tools or node binaries are missing."""
     if os.geteuid() != 0:
@@ -69,7 +71,7 @@ def node_cluster() -> NodeCluster:
     shutil.rmtree(workdir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pdserve_image(node_cluster: NodeCluster) -> str:
     """The image built from the Dockerfile (scripts/build-image.sh), imported into the node's containerd."""
     archive = _script(IMAGE_SCRIPT, "--print", timeout=60)
