@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: install install-up install-test system-deps k8s-bins up test lint-duplicates clean
+.PHONY: install install-up install-test system-deps k8s-bins up test lint-duplicates clean test-cluster
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,17 @@ up: install-up
 # oversubscribed torch threads slow everything down 5-10x.
 test: install-test system-deps k8s-bins
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS)
+
+# The one-node cluster test (tests/cluster): a real kubelet + containerd running the image built from the Dockerfile.
+# Builds its inputs first (the image, kubelet/kube-proxy/CoreDNS; long the first time, cached after); needs root.
+CLUSTER_DEBS := containerd runc containernetworking-plugins iptables buildah mmdebstrap
+test-cluster: install-test system-deps k8s-bins
+	@command -v containerd >/dev/null && command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CLUSTER_DEBS); }
+	bash scripts/k8s-test-bins.sh --node
+	$(SUDO) bash scripts/build-image.sh
+	$(SUDO) bash scripts/cluster/pause-image.sh
+	PDSERVE_CLUSTER_BUILD=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests/cluster $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -11,7 +11,9 @@ from pdserve.operator.models import InferenceServiceSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
 UPSTREAM_API_KEY_ENV = "PDSERVE_UPSTREAM_API_KEY"  # router/cli.py: the key the runtime pods require
-STARTUP_SECONDS = 120
+# Before it listens, the router resolves the default model's tokenizer in a subprocess that imports torch and converts the
+# GGUF once per pod: minutes on a small or busy node (on a shared 2-core node 120 s was a crash loop of startup kills).
+STARTUP_SECONDS = 600
 
 # Exactly what endpoint discovery reads; the operator must hold these itself to grant them (RBAC escalation check).
 ROUTER_RULES = [

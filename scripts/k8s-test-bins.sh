@@ -3,6 +3,7 @@
 #
 #   scripts/k8s-test-bins.sh            # build what is missing, print the bin dir
 #   scripts/k8s-test-bins.sh --print    # print the bin dir only (no build)
+#   scripts/k8s-test-bins.sh --node     # also kubelet, kube-proxy and coredns (the one-node cluster, tests/cluster)
 #
 # Output: ${PDSERVE_CACHE_DIR:-~/.cache/pdserve}/k8s-bin/<k8s version>/ with
 #   kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (k8s.io/kubernetes, built through the small
@@ -21,7 +22,9 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 MOD_DIR="$HERE/k8s-bins"
 BIN_DIR="${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}/k8s-bin/$K8S_VERSION"
 
+COREDNS_VERSION="v1.11.4"
 if [[ "${1:-}" == "--print" ]]; then echo "$BIN_DIR"; exit 0; fi
+NODE=0; [[ "${1:-}" == "--node" ]] && NODE=1
 mkdir -p "$BIN_DIR"
 log() { echo "[k8s-test-bins] $*" >&2; }
 
@@ -36,6 +39,8 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   KUBE_LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 KUBE_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# kubelet and kube-proxy are only for the one-node cluster (tests/cluster): a real node, slow to build, so opt-in.
+[[ $NODE -eq 1 ]] && KUBE_CMDS+=(kubelet kube-proxy)
 command -v go >/dev/null || { log "the Go toolchain is required (go >= 1.23)"; exit 1; }
 
 # Writes go.mod for K8S_VERSION: require k8s.io/kubernetes and pin every staging module to v0.<minor>.<patch>.
@@ -99,4 +104,6 @@ HELM_PKG=helm.sh/helm/v3
 go_install helm "$HELM_PKG/cmd/helm@$HELM_VERSION" "-X $HELM_PKG/internal/version.version=$HELM_VERSION \
   -X $HELM_PKG/pkg/lint/rules.k8sVersionMajor=1 -X $HELM_PKG/pkg/lint/rules.k8sVersionMinor=34 \
   -X $HELM_PKG/pkg/chartutil.k8sVersionMajor=1 -X $HELM_PKG/pkg/chartutil.k8sVersionMinor=34"
+# CoreDNS (cluster DNS for the one-node cluster's pods); its main module builds with a plain `go install`.
+[[ $NODE -eq 1 ]] && go_install coredns "github.com/coredns/coredns@$COREDNS_VERSION"
 echo "$BIN_DIR"
