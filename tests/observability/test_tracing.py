@@ -25,8 +25,11 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 BODY = {"messages": [{"role": "user", "content": "Name three rivers of Europe and say one thing about each."}],
         "max_tokens": 4, "temperature": 0}
-# Fast export for the test; a tiny queue and a short timeout so that a hung collector drops spans quickly.
-OTEL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "3"}
+# Fast export for the test and a tiny queue, so that a hung collector drops spans quickly; a long export timeout, so
+# that an exporter blocking a request would show as whole seconds added to it.
+EXPORT_TIMEOUT_S = 10
+OTEL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_BSP_MAX_QUEUE_SIZE": "4",
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(EXPORT_TIMEOUT_S)}
 
 
 def up(tmp_path, *extra: str):
@@ -108,5 +111,7 @@ def test_one_trace_per_pd_request_and_a_dead_collector_costs_nothing(tmp_path):
         off = timed_requests(stack.url, 8)
     print(f"median request latency: hung collector {statistics.median(dead):.3f}s, tracing off "
           f"{statistics.median(off):.3f}s; spans lost to the hung collector: {lost:.0f}")
-    # Relative, generous: an exporter blocking the router or engine would add its 3 s timeout to requests.
-    assert statistics.median(dead) < 2.0 * statistics.median(off), (dead, off)
+    # Against tracing off in the same run: an exporter blocking the router or an engine would add its export timeout
+    # (10 s) to requests; load on a shared machine moves these medians by fractions of a second (a 2x-ratio bound
+    # failed once on load alone: 0.72 s vs 0.34 s).
+    assert statistics.median(dead) < statistics.median(off) + EXPORT_TIMEOUT_S / 2, (dead, off)
