@@ -25,6 +25,7 @@ from pdserve.runtime.quantization import weight_bytes
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.runtime.structured_output import StructuredOutputManager
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,12 @@ class LLMEngine:
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        so = config.structured_outputs
+        self.structured = StructuredOutputManager(
+            self.tokenizer, int(self.hf_config.vocab_size), [t for t in (eos if isinstance(eos, list) else
+                                                                      [self.eos_token_id]) if t is not None],
+            backend=so.backend, cache_size=so.grammar_cache_size, compile_timeout_s=so.grammar_compile_timeout_s)
+        self._waiting_grammar: list[Request] = []   # structured-output requests whose grammar is still compiling
         self._requests: dict[str, Request] = {}          # unfinished engine requests (children included)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._parents: dict[str, _Parent] = {}          # client id -> fan-out state (n > 1 only)
@@ -140,7 +147,11 @@ class LLMEngine:
         for req, detok in zip(reqs, detoks):
             self._requests[req.request_id] = req
             self._detok[req.request_id] = detok
-            self.scheduler.add_request(req)
+            if req.sampling_params.structured_outputs is not None:   # scheduled once its grammar is compiled
+                self.structured.add_request(req.request_id, req.sampling_params.structured_outputs)
+                self._waiting_grammar.append(req)
+            else:
+                self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now (their blocks are freed at once); unknown or finished ids are ignored."""
@@ -157,15 +168,26 @@ class LLMEngine:
                 engine_ids.append(rid)
         for req in self.scheduler.abort_requests(engine_ids):
             self._forget(req.request_id)
+        if self._waiting_grammar:
+            gone = set(engine_ids)
+            for req in [r for r in self._waiting_grammar if r.request_id in gone]:
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._forget(req.request_id)
+            self._waiting_grammar = [r for r in self._waiting_grammar if r.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
         """True while requests run or wait, or a KV transfer still holds blocks (keep stepping to release them)."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+                or bool(self._waiting_grammar))
 
     # ---- step ------------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, sample, postprocess. Returns outputs of requests that progressed or finished this step."""
+        self._admit_compiled()
         sched_out = self.scheduler.schedule()
+        if self.structured.has_requests():
+            sched_out.grammar_bitmask = self.structured.grammar_bitmask(
+                [s.request_id for s in sched_out.scheduled if s.sample])
         meta = sched_out.connector_meta
         if self.connector is not None and meta is not None:
             self.connector.start_load_kv(meta)
@@ -173,6 +195,7 @@ class LLMEngine:
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)
         progressed = self.scheduler.update_from_output(sched_out, sampled)
+        self._advance_grammars(progressed)
         if not sched_out.scheduled and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
         now = time.time()
@@ -204,7 +227,9 @@ class LLMEngine:
         sampled: dict[str, SampledToken] = {}
         for s in sched_out.scheduled:
             try:
-                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self._requests))
+                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s],
+                                                                   grammar_bitmask=sched_out.grammar_bitmask),
+                                                   self._requests))
             except Exception as e:  # noqa: BLE001
                 if _is_device_fault(e):
                     raise
@@ -213,6 +238,34 @@ class LLMEngine:
                 if req is not None and not req.is_finished:
                     self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
         return sampled
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose compile
+        failed or timed out. Others keep waiting without holding anyone up."""
+        if not self._waiting_grammar:
+            return
+        still = []
+        for req in self._waiting_grammar:
+            try:
+                ready = self.structured.ready(req.request_id)
+            except ValueError as e:
+                self.scheduler.add_request(req)
+                self.scheduler.fail_request(req, f"structured output: {e}"[:500])
+                continue
+            if ready:
+                self.scheduler.add_request(req)
+            else:
+                still.append(req)
+        self._waiting_grammar = still
+
+    def _advance_grammars(self, progressed: list[Request]) -> None:
+        """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager)."""
+        for req in progressed:
+            if self.structured.has(req.request_id) and not self.structured.accept(req.request_id,
+                                                                                 req.output_token_ids):
+                if not req.is_finished:
+                    self.scheduler.fail_request(req, "structured output: the grammar refused a sampled token")
+                req.status, req.error = RequestStatus.FINISHED_ERROR, "structured output: grammar refused a token"
 
     def _fail_output(self, req: Request, error: Exception) -> RequestOutput | None:
         """The error output of a request whose postprocessing raised (it is finished and forgotten)."""
@@ -275,6 +328,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self.structured.remove(request_id)
 
     # ---- introspection -----------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -303,6 +357,7 @@ class LLMEngine:
         return list(ids)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
             self.connector = None

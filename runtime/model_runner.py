@@ -99,5 +99,8 @@ class ModelRunner:
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
         logits = self.model.compute_logits(hidden[last[rows]])                               # (N, vocab) float32
         reqs = [requests[out.scheduled[i].request_id] for i in rows]
-        sampled = self.sampler(logits.float(), reqs)
+        logits = logits.float()
+        if out.grammar_bitmask is not None:   # structured outputs: refused tokens -> -inf, before any sampling step
+            out.grammar_bitmask.apply(logits, [r.request_id for r in reqs])
+        sampled = self.sampler(logits, reqs)
         return {r.request_id: t for r, t in zip(reqs, sampled)}

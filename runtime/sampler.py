@@ -7,6 +7,7 @@ Logprobs are reported from the raw model distribution (log_softmax of the unproc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -62,8 +63,8 @@ class Sampler:
             for j, i in enumerate(want):
                 n = requests[i].sampling_params.logprobs
                 d = {ids[i]: chosen[j]}
-                if n:
-                    d.update(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+                if n:   # tokens a grammar refused (-inf) are no alternatives (and -inf is no JSON number)
+                    d.update((t, v) for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()) if v > -math.inf)
                 out[i].logprobs, out[i].logprob = d, chosen[j]
         return out
 

@@ -42,6 +42,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     connector_meta: KVConnectorMetadata | None = None
+    grammar_bitmask: Any = None   # structured_output.GrammarBitmask of the sampling rows (None: none constrained)
 
     @property
     def num_scheduled_tokens(self) -> int:
