@@ -14,6 +14,8 @@ from typing import Any
 
 from pdserve import tracing
 from pdserve.runtime import envs
+from pdserve.runtime.structured_output.params import BACKEND_CHOICES
+from pdserve.runtime.tool_calling.parsers import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -84,6 +86,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the Jinja text) used for every chat request (default: the "
+                        "model's own; a built-in tool-aware ChatML one for requests with tools when the model's "
+                        "template has no tool support)")
+    s.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text when tool_choice is auto")
+    s.add_argument("--structured-outputs-backend", default="auto", choices=list(BACKEND_CHOICES),
+                   help="grammar backend of response_format / structured_outputs / tools: auto picks xgrammar, "
+                        "or llguidance for JSON Schema keywords only it enforces")
     tracing.add_flag(s)
     s.add_argument("--log-level", default=envs.log_level().lower(),
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (env PDSERVE_LOG_LEVEL)")
@@ -149,7 +160,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy, max_waiting=args.max_waiting, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
-        kv_load_failure_policy=args.kv_load_failure_policy)
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", None))
 
 
 def check_kv_secret(args: argparse.Namespace) -> str | None:

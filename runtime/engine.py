@@ -25,7 +25,7 @@ from pdserve.runtime.quantization import weight_bytes
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
-from pdserve.runtime.structured_output import StructuredOutputManager
+from pdserve.runtime.structured_output.manager import StructuredOutputManager
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)

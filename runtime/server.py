@@ -44,6 +44,8 @@ from pdserve.runtime.protocol import (ApiError, ChatCompletionRequest, Completio
                                       TokenizeRequest, error_body, parse)
 from pdserve.runtime.responses import ResponseBuilder
 from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.structured_output import api as structured_api
+from pdserve.runtime.tool_calling.chat_template import load_chat_template, render_chat_ids, uses_tools
 from pdserve.runtime.validation import InvalidParam, check_request, check_request_id, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class ServerOptions:
     api_key: str | None = None
     max_waiting: int | None = None        # requests accepted but not started beyond this -> 503 + Retry-After
     role: str = "both"
+    chat_template: str | None = None      # --chat-template (text); None: the model's, or the built-in tool template
+    tool_call_parser: str = "hermes"      # --tool-call-parser: reads tool calls from tool_choice="auto" output
 
 
 class _State:
@@ -82,7 +86,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
     metrics = ServerMetrics(engine.served_model_name)
     metrics.set_model_weight_bytes(getattr(engine, "weight_bytes", 0))  # (test doubles of the engine have none)
     state = _State(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
-    builder = ResponseBuilder(engine)
+    builder = ResponseBuilder(engine, tool_parser=options.tool_call_parser)
     kv_fingerprint = drain_mod.fingerprint(engine)
 
     @contextlib.asynccontextmanager
@@ -146,7 +150,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         _check_model(state, req.model)
         if req.messages is not None:
             ids = await _chat_ids(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                                  req.add_generation_prompt)
+                                  req.add_generation_prompt, None)
         else:
             ids = await state.off_loop(lambda: list(engine.tokenizer.encode(
                 req.prompt, add_special_tokens=req.add_special_tokens)))
@@ -169,14 +173,16 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         else:
             prompt_ids = list(prompt)
         prompt_ids, params = _checked(state, req, prompt_ids)
+        params = await _structured(state, req, params)
         return await _serve(request, state, builder, "completion", req, prompt_ids, params)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
         _check_model(state, req.model)
-        prompt_ids = await _chat_ids(state, req.message_dicts(), req.add_generation_prompt)
+        prompt_ids = await _chat_ids(state, req.message_dicts(), req.add_generation_prompt, req.tool_dicts())
         prompt_ids, params = _checked(state, req, prompt_ids)
+        params = await _structured(state, req, params)
         return await _serve(request, state, builder, "chat", req, prompt_ids, params)
 
     return app
@@ -265,8 +271,14 @@ def _check_token_ids(state: _State, ids: list[int], param: str) -> None:
         raise ApiError(400, str(e), param=param) from None
 
 
-async def _chat_ids(state: _State, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+async def _chat_ids(state: _State, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None) -> list[int]:
+    override = state.options.chat_template
     try:   # a template may refuse a conversation (TemplateError: e.g. roles out of order)
+        if override or uses_tools(messages, tools):   # tools need a template that renders them
+            return await state.off_loop(lambda: render_chat_ids(
+                state.engine.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                override=override))
         return await state.off_loop(lambda: list(state.engine.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt)))
     except (ValueError, TypeError, TemplateError) as e:
@@ -284,6 +296,25 @@ def _checked(state: _State, req: Any, prompt_ids: list[int]) -> tuple[list[int],
     except InvalidParam as e:
         raise req.api_error(e) from None
     return prompt_ids, params if params.max_tokens == max_tokens else replace(params, max_tokens=max_tokens)
+
+
+async def _structured(state: _State, req: Any, params: SamplingParams) -> SamplingParams:
+    """``params`` with the request's structured-output constraint, its grammar compiled (or found in the cache) before
+    the request is queued: an invalid schema, regex or grammar, or a compile past the timeout, is a 400."""
+    found = structured_api.request_params(req)
+    if found is None:
+        return params
+    param, so = found
+    manager = state.engine.structured
+    try:
+        # shielded: a timeout here must not cancel the cached compile other requests share
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(manager.compile(so))), manager.compile_timeout_s)
+    except ValueError as e:
+        raise ApiError(400, f"invalid {param}: {e}", param=param) from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise ApiError(400, f"{param}: grammar compilation took longer than {manager.compile_timeout_s:g}s",
+                       param=param) from None
+    return replace(params, structured_outputs=so)
 
 
 def _request_id(request: Request, state: _State, body_id: str | None) -> tuple[str, str]:
@@ -494,7 +525,9 @@ def run_server(args: Any) -> int:
     if args.kv_events_port:
         publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,
                                      replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
-    options = ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role)
+    options = ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role,
+                            chat_template=load_chat_template(getattr(args, "chat_template", None)),
+                            tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes")
     return serve_engine(engine, host=args.host, port=args.port, options=options, kv_publisher=publisher,
                         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level)
 

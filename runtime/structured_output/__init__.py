@@ -1,7 +1,3 @@
-"""Grammar-constrained decoding: params (what a request asks), backends (xgrammar, llguidance), the engine's manager."""
-
-from pdserve.runtime.structured_output.manager import (BACKEND_CHOICES, GrammarBitmask, StructuredOutputManager,
-                                                       with_backend)
-from pdserve.runtime.structured_output.params import StructuredOutputsParams
-
-__all__ = ["BACKEND_CHOICES", "GrammarBitmask", "StructuredOutputManager", "StructuredOutputsParams", "with_backend"]
+"""Grammar-constrained decoding: ``params`` (what a request asks), ``api`` (the HTTP surface mapped onto it),
+``backends`` (xgrammar, llguidance), ``manager`` (the engine's owner of grammars). Submodules are imported directly: the
+package itself stays torch-free for the CLI."""

@@ -30,15 +30,16 @@ def tool_choice_mode(req: Any) -> str:
     return choice if isinstance(choice, str) else "named"
 
 
-def request_params(req: Any) -> StructuredOutputsParams | None:
-    """The structured-output constraint a chat or completion request asks for (ApiError 400 if malformed)."""
+def request_params(req: Any) -> tuple[str, StructuredOutputsParams] | None:
+    """(the request field it came from, the structured-output constraint) a chat or completion request asks for, or
+    None (ApiError 400 if malformed)."""
     found = [(p, v) for p, v in (("response_format", _from_response_format(req.response_format)),
                                  ("structured_outputs", _from_structured_outputs(req.structured_outputs)),
                                  ("tool_choice", _from_tools(req))) if v is not None]
     if len(found) > 1:
         raise ApiError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; use one",
                        param=found[1][0])
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _make(param: str, **kwargs: Any) -> StructuredOutputsParams:

@@ -20,18 +20,15 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pdserve.runtime.structured_output.backends import (BACKENDS, XGRAMMAR_UNENFORCED, Backend, Matcher,
-                                                        uses_keywords)
-from pdserve.runtime.structured_output.params import StructuredOutputsParams
+from pdserve.runtime.structured_output.backends import BACKENDS, XGRAMMAR_UNENFORCED, Backend, Matcher, uses_keywords
+from pdserve.runtime.structured_output.params import BACKEND_CHOICES, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
-
-BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
 @dataclass
@@ -87,6 +84,7 @@ class StructuredOutputManager:
         self.stats = StructuredOutputStats()
         self._backends: dict[str, Backend] = {}
         self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, str], concurrent.futures.Future] = OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
         self._requests: dict[str, _RequestGrammar] = {}
@@ -94,7 +92,7 @@ class StructuredOutputManager:
 
     # ---- compiling (any thread) ----
     def backend(self, name: str) -> Backend:
-        with self._lock:
+        with self._backend_lock:   # not the cache lock: building one takes a while, compile() must not wait on it
             if name not in self._backends:   # built on first use: each reads the whole vocabulary once
                 self._backends[name] = BACKENDS[name](self.tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backends[name]
@@ -178,7 +176,10 @@ class StructuredOutputManager:
             if time.monotonic() - g.added > self.compile_timeout_s:
                 raise ValueError(f"grammar compilation took longer than {self.compile_timeout_s:g}s")
             return False
-        g.backend, compiled = g.future.result()   # re-raises the compile's ValueError
+        try:
+            g.backend, compiled = g.future.result()   # re-raises the compile's ValueError
+        except concurrent.futures.CancelledError:
+            raise ValueError("grammar compilation was cancelled") from None
         g.matcher = g.backend.matcher(compiled)
         return True
 
@@ -224,6 +225,3 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def with_backend(params: StructuredOutputsParams, backend: str | None) -> StructuredOutputsParams:
-    return params if backend is None else replace(params, backend=backend)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+BACKEND_CHOICES = ("auto", "xgrammar", "llguidance")   # --structured-outputs-backend (backends.BACKENDS + auto)
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 

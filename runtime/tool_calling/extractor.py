@@ -63,8 +63,8 @@ class ToolCallExtractor:
     def result(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content or None, OpenAI ``tool_calls``) of the finished text."""
         end, calls = self._calls(text, True)
-        content = text[:end].strip() if self.mode == "auto" else ""
-        return content or None, [{"id": self._id(i), "type": "function",
+        content = text[:end] if self.mode == "auto" else ""   # as streamed: deltas reassemble to it
+        return (content if content.strip() else None), [{"id": self._id(i), "type": "function",
                                   "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for i, c in enumerate(calls)]
 
