@@ -141,14 +141,21 @@ def test_regex_choice_grammar(client):
     """20 sampled outputs each for a regex and a choice (n=20), and an EBNF grammar."""
     phone = r"\+1-[0-9]{3}-[0-9]{4}"
     choices = ["yes", "no", "maybe so"]
-    for seed in (1, 2):   # n is at most 16: two requests of 10
-        r = client.completions.create(model=MODEL, prompt="Phone:", max_tokens=16, temperature=0.9, seed=seed, n=10,
-                                      extra_body={"structured_outputs": {"regex": phone}})
-        assert all(re.fullmatch(phone, c.text) and c.finish_reason == "stop" for c in r.choices), r.choices
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is fire cold?"}],
-                                           max_tokens=5, temperature=0.9, seed=seed, n=10,
-                                           extra_body={"structured_outputs": {"choice": choices}})
-        assert all(c.message.content in choices for c in r.choices)
+
+    def regex(seed):
+        return client.completions.create(model=MODEL, prompt="Phone:", max_tokens=16, temperature=0.9, seed=seed,
+                                         n=10, extra_body={"structured_outputs": {"regex": phone}}).choices
+
+    def choice(seed):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is fire cold?"}],
+                                              max_tokens=5, temperature=0.9, seed=seed, n=10,
+                                              extra_body={"structured_outputs": {"choice": choices}}).choices
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:   # n is at most 16: two requests of 10 each
+        phones = [c for f in [pool.submit(regex, s) for s in (1, 2)] for c in f.result()]
+        answers = [c for f in [pool.submit(choice, s) for s in (1, 2)] for c in f.result()]
+    assert len(phones) == 20 and all(re.fullmatch(phone, c.text) and c.finish_reason == "stop" for c in phones)
+    assert len(answers) == 20 and all(c.message.content in choices for c in answers)
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'
     r = client.completions.create(model=MODEL, prompt="Sum:", max_tokens=12, temperature=0,
                                   extra_body={"structured_outputs": {"grammar": grammar}})
@@ -159,38 +166,45 @@ def test_regex_choice_grammar(client):
 # ---- tools ----
 
 def test_tool_choice_required_and_named(client):
+    """required: one valid call of one of the tools; named: that function's arguments, streamed (incremental
+    arguments under one call id) and not, both validating against its schema."""
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=50, temperature=0)
-    c = r.choices[0]
+    named = {"type": "function", "function": {"name": "get_time"}}
+
+    def required():
+        return client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                              tool_choice="required", parallel_tool_calls=False, max_tokens=50,
+                                              temperature=0).choices[0]
+
+    def named_streamed():
+        args, names, ids, finish = "", set(), set(), None
+        for chunk in client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                                    tool_choice=named, max_tokens=40, temperature=0, stream=True):
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+                for d in ch.delta.tool_calls or []:
+                    assert d.index == 0
+                    names |= {d.function.name} - {None}
+                    args += d.function.arguments or ""
+                    ids |= {d.id} - {None}
+        return args, names, ids, finish
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        req, stream = pool.submit(required), pool.submit(named_streamed)
+        whole = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
+                                               max_tokens=40, temperature=0).choices[0]
+        c, (args, names, ids, finish) = req.result(), stream.result()
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
     assert call.id.startswith("call_") and call.type == "function"
     jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
 
-    named = {"type": "function", "function": {"name": "get_time"}}
-    for stream in (False, True):
-        if stream:
-            args, name, ids, finish = "", None, set(), None
-            for chunk in client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
-                                                        tool_choice=named, max_tokens=40, temperature=0,
-                                                        stream=True):
-                for ch in chunk.choices:
-                    finish = ch.finish_reason or finish
-                    for d in ch.delta.tool_calls or []:
-                        name = d.function.name or name
-                        args += d.function.arguments or ""
-                        ids |= {d.id} - {None}
-            assert len(ids) == 1
-        else:
-            c = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
-                                               max_tokens=40, temperature=0).choices[0]
-            name, args, finish = c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments, \
-                c.finish_reason
-            whole = args
-        assert name == "get_time" and finish == "tool_calls"
-        jsonschema.validate(json.loads(args), TOOL_SCHEMAS["get_time"])
-    assert args == whole   # streamed arguments reassemble to the whole response's
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS["get_time"])
+    assert names == {"get_time"} and len(ids) == 1 and finish == "tool_calls"
+    assert args == call.function.arguments   # streamed arguments reassemble to the whole response's
 
 
 def test_tool_choice_auto_parses_a_scripted_hermes_call(client):
@@ -200,16 +214,22 @@ def test_tool_choice_auto_parses_a_scripted_hermes_call(client):
               r'\n</tool_call>')
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
                   max_tokens=50, temperature=0, extra_body={"structured_outputs": {"regex": script}})
-    c = client.chat.completions.create(**kwargs).choices[0]
+    def streamed():
+        content, calls, finish = "", [], None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                calls += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        return content, calls, finish
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(streamed)
+        c = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = stream.result()
     assert c.finish_reason == "tool_calls" and c.message.content == "Sure.\n"
     (call,) = c.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
-    content, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            calls += ch.delta.tool_calls or []
-            finish = ch.finish_reason or finish
     assert content == "Sure.\n" and finish == "tool_calls" and "<tool_call>" not in content
     assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [(0, "get_weather",
                                                                                    call.function.arguments)]
@@ -234,7 +254,7 @@ def test_tool_round_trip(client):
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
-    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
