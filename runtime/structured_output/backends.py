@@ -59,6 +59,8 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 # ---- xgrammar ----
 
+MAX_WHITESPACE = 16   # longest run of JSON whitespace between two tokens
+
 class _XgrMatcher(Matcher):
     def __init__(self, m: Any) -> None:
         self.m = m
@@ -90,10 +92,13 @@ class XgrammarBackend(Backend):
         c, nows = self.compiler, spec.startswith("nows:")
         spec = spec.removeprefix("nows:")
         try:
+            # Whitespace runs are bounded: small models otherwise pick blank lines until max_tokens (enough for
+            # indented output up to ~7 levels deep).
+            ws = {"any_whitespace": not nows, "max_whitespace_cnt": None if nows else MAX_WHITESPACE}
             if kind == "json_object":   # any JSON object (OpenAI's JSON mode)
-                return c.compile_json_schema(spec, any_whitespace=not nows, strict_mode=False)
+                return c.compile_json_schema(spec, strict_mode=False, **ws)
             if kind == "json":   # strict mode (vLLM's default): no keys or items beyond the schema's
-                return c.compile_json_schema(spec, any_whitespace=not nows)
+                return c.compile_json_schema(spec, **ws)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "choice":
@@ -160,8 +165,8 @@ class GuidanceBackend(Backend):
             raise ValueError(f"the llguidance backend does not support {kind}")
         if kind in ("json", "json_object"):
             schema = json.loads(spec)
-            # llguidance's own JSON options: compact separators unless free whitespace is allowed
-            opts = {"whitespace_flexible": not nows}
+            # llguidance's own JSON options; without free whitespace, xgrammar's separators (", " and ": ")
+            opts = {"whitespace_flexible": not nows, "item_separator": ", ", "key_separator": ": "}
             spec = json.dumps({**schema, "x-guidance": opts} if isinstance(schema, dict) else schema)
         try:
             grammar = self.llg.grammar_from(fmt, spec)

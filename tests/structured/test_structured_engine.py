@@ -1,0 +1,185 @@
+"""Grammar-constrained decoding inside the engine (real default model, CPU, one engine for the module): faithfulness to
+the unconstrained greedy choice, a compiling grammar that holds up no one, constrained and free rows in one step,
+preemption-recompute, matcher rollback on both backends, the automatic backend choice."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from pdserve.runtime.config import EngineConfig
+from pdserve.runtime.llm import LLM
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.structured_output.manager import GrammarBitmask, StructuredOutputManager
+from pdserve.runtime.structured_output.params import StructuredOutputsParams as SO
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=128)
+    yield llm
+    llm.shutdown()
+
+
+def prompt(llm, text: str) -> list[int]:
+    return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def run(llm, reqs: dict[str, tuple[list[int], SamplingParams]], on_step=None) -> dict[str, list[int]]:
+    eng = llm.engine
+    for rid, (ids, sp) in reqs.items():
+        eng.add_request(rid, ids, sp)
+    done: dict[str, list[int]] = {}
+    while len(done) < len(reqs):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if on_step:
+            on_step(eng)
+    return done
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records, for every masked step, the unmasked argmax and the bitmask of each row (the real apply runs)."""
+    steps: list[tuple[list[str], list[int], torch.Tensor, list[int]]] = []
+    original = GrammarBitmask.apply
+
+    def apply(self, logits, request_ids):
+        steps.append((list(request_ids), logits.argmax(-1).tolist(), self.bitmask.clone(), list(self.rows)))
+        original(self, logits, request_ids)
+
+    monkeypatch.setattr(GrammarBitmask, "apply", apply)
+    return steps
+
+
+def allowed(bitmask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
+
+
+def test_constrained_greedy_keeps_every_allowed_unconstrained_choice(llm, spy):
+    """At every step the constrained greedy token is the unconstrained argmax whenever the grammar allows it; the
+    run equals the unconstrained greedy run up to the first step where the grammar refuses that argmax."""
+    ids = prompt(llm, "Who are you? Answer in JSON.")
+    free = run(llm, {"free": (ids, SamplingParams(max_tokens=24, temperature=0))})["free"]
+    assert not spy   # no grammar, no mask
+    out = run(llm, {"c": (ids, SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(json=SCHEMA)))})["c"]
+    jsonschema.validate(json.loads(llm.tokenizer.decode(out, skip_special_tokens=True)), SCHEMA)
+    assert len(spy) == len(out)
+    parted = None
+    for i, ((rids, argmax, bitmask, rows), token) in enumerate(zip(spy, out)):
+        assert rows == [0]
+        if allowed(bitmask[0], argmax[0]):
+            assert token == argmax[0], f"step {i}: the grammar allowed {argmax[0]} but {token} was picked"
+        else:
+            assert token != argmax[0]
+            parted = i if parted is None else parted
+    assert parted is not None, "the grammar never had to step in"
+    assert out[:parted] == free[:parted] and out[parted] != free[parted]
+
+
+def test_compiling_grammar_holds_up_no_one(llm, monkeypatch):
+    """A request whose grammar is still compiling waits; a plain request added after it runs to the end meanwhile."""
+    eng = llm.engine
+    gate = threading.Event()
+    compile_ = eng.structured._compile
+    monkeypatch.setattr(eng.structured, "_compile", lambda *a: (gate.wait(60), compile_(*a))[1])
+    schema = {**SCHEMA, "title": "not cached yet"}
+    ids = prompt(llm, "Name and age?")
+    eng.add_request("slow", ids, SamplingParams(max_tokens=40, temperature=0,
+                                                structured_outputs=SO(json=schema, disable_any_whitespace=True)))
+    eng.add_request("quick", ids, SamplingParams(max_tokens=4, temperature=0))
+    outs = {}
+    while "quick" not in outs:
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert "slow" not in outs and [r.request_id for r in eng._waiting_grammar] == ["slow"]
+    assert eng._requests["slow"].num_computed_tokens == 0
+    gate.set()
+    while "slow" not in outs:
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    jsonschema.validate(json.loads(outs["slow"].outputs[0].text), schema)
+
+
+def test_constrained_and_free_rows_share_steps(llm, spy):
+    """A schema row, a regex row and a free row in the same steps: one bitmask per step, masking only the
+    constrained rows; the free row's output is token for token the one it has alone."""
+    ids = prompt(llm, "Tell me about cats.")
+    alone = run(llm, {"alone": (ids, SamplingParams(max_tokens=12, temperature=0))})["alone"]
+    spy.clear()
+    compact = SO(json=SCHEMA, disable_any_whitespace=True)
+    outs = run(llm, {"json": (ids, SamplingParams(max_tokens=40, temperature=0, structured_outputs=compact)),
+                     "rx": (ids, SamplingParams(max_tokens=12, temperature=0,
+                                                structured_outputs=SO(regex=r"[a-z]{1,8} [0-9]{2}"))),
+                     "free": (ids, SamplingParams(max_tokens=12, temperature=0))})
+    assert outs["free"] == alone
+    assert re.fullmatch(r"[a-z]{1,8} [0-9]{2}", llm.tokenizer.decode(outs["rx"], skip_special_tokens=True))
+    jsonschema.validate(json.loads(llm.tokenizer.decode(outs["json"], skip_special_tokens=True)), SCHEMA)
+    rids, _, bitmask, rows = spy[0]
+    assert sorted(rids) == ["free", "json", "rx"] and sorted(rids[i] for i in rows) == ["json", "rx"]
+    assert bool((bitmask[rids.index("free")] == -1).all())
+
+
+def test_preemption_recompute_does_not_advance_the_matcher_twice(llm):
+    ids = prompt(llm, "Name and age?")
+    sp = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True))
+    plain = run(llm, {"p": (ids, sp)})["p"]
+    state = {"steps": 0}
+
+    def preempt(eng):
+        state["steps"] += 1
+        req = eng._requests.get("q")
+        if state["steps"] == 4 and req is not None and req in eng.scheduler.running:
+            eng.scheduler._preempt(req)   # recompute from scratch; the output tokens stay
+            state["preempted"] = True
+
+    assert run(llm, {"q": (ids, sp)}, preempt)["q"] == plain and state.get("preempted")
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_matcher_rollback_and_resync(llm, backend):
+    m = StructuredOutputManager(llm.tokenizer, int(llm.engine.hf_config.vocab_size), [llm.engine.eos_token_id],
+                                backend=backend)
+    try:
+        obj = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                 disable_any_whitespace=True)
+        assert m.validate(obj) == backend and m.validate(SO(regex="x")) == backend
+        m.add_request("r", obj)
+        assert m.ready("r")   # compiled above: a cache hit
+        good = llm.tokenizer.encode('{"a": 12}', add_special_tokens=False)
+        bad = llm.tokenizer.encode('{"a": "x"}', add_special_tokens=False)
+        assert m.accept("r", good[:3])
+        assert m.accept("r", good[:3])                     # the same tokens again (a recompute): no double advance
+        assert m.accept("r", good[:2]) and m.accept("r", good)   # rolled back one, then forward again
+        assert m.accept("r", good + [llm.engine.eos_token_id]) and m._requests["r"].matcher.is_terminated()
+        m.add_request("s", obj)
+        assert m.ready("s") and m.stats.cache_hits >= 2
+        assert not m.accept("s", bad)
+    finally:
+        m.shutdown()
+
+
+def test_auto_backend_choice_and_forced_backend(llm):
+    """allOf is compiled but not enforced by xgrammar: auto sends it to llguidance, which enforces it."""
+    s = llm.engine.structured
+    all_of = {"allOf": [{"type": "integer"}, {"minimum": 500, "maximum": 510}]}
+    assert s.validate(SO(json=all_of)) == "llguidance"
+    assert s.validate(SO(json=SCHEMA)) == "xgrammar"
+    assert s.validate(SO(grammar='start: "a" | "b"')) == "llguidance"   # Lark: xgrammar cannot read it
+    out = run(llm, {"n": (prompt(llm, "Pick a number."),
+                          SamplingParams(max_tokens=8, temperature=0, structured_outputs=SO(json=all_of)))})["n"]
+    assert 500 <= int(llm.tokenizer.decode(out, skip_special_tokens=True)) <= 510
+    cfg = EngineConfig.from_options(structured_outputs_backend="llguidance")
+    assert cfg.structured_outputs.backend == "llguidance"
+    with pytest.raises(ValueError):
+        StructuredOutputManager(llm.tokenizer, 10, [0], backend="outlines")
