@@ -183,3 +183,31 @@ def test_auto_backend_choice_and_forced_backend(llm):
     assert cfg.structured_outputs.backend == "llguidance"
     with pytest.raises(ValueError):
         StructuredOutputManager(llm.tokenizer, 10, [0], backend="outlines")
+
+
+def test_pd_decode_enforces_the_grammar_from_its_first_token(llm, tmp_path):
+    """Prefill (1 token, discarded) -> disk KV -> decode: the decode pod's matcher starts at its own first token, and
+    its output equals the monolithic constrained run while the prompt's KV comes from the prefill pod."""
+    ids = prompt(llm, "Name and age?")
+    sp = SamplingParams(max_tokens=30, temperature=0,
+                        structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True))
+    expected = run(llm, {"mono": (ids, sp)})["mono"]
+    cfg = {"path": str(tmp_path)}
+    prefill = LLM(dtype="float32", num_gpu_blocks=64, kv_connector="disk", kv_role="prefill", kv_connector_config=cfg)
+    decode = LLM(dtype="float32", num_gpu_blocks=64, kv_connector="disk", kv_role="decode", kv_connector_config=cfg)
+    try:
+        prefill.engine.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0, structured_outputs=sp.structured_outputs),
+                                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        out = None
+        while out is None:
+            out = next((o for o in prefill.engine.step() if o.finished), None)
+        assert out.error is None and out.outputs[0].text == "{"   # the prefill's token is masked too (then dropped)
+        decode.engine.add_request("d", ids, sp, kv_transfer_params=out.kv_transfer_params)
+        done = None
+        while done is None:
+            done = next((o for o in decode.engine.step() if o.finished), None)
+        assert done.num_cached_tokens > 0 and done.outputs[0].token_ids == expected
+        jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
