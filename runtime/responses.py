@@ -14,13 +14,14 @@ import functools
 import time
 from typing import Any
 
+from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pdserve.runtime.structured_output.api import tool_choice_mode
 from pdserve.runtime.tool_calling import ToolCallExtractor, create_tool_parser
 
 
 class ResponseBuilder:
-    def __init__(self, engine: Any, tool_parser: str = "hermes"):
+    def __init__(self, engine: EngineClient, tool_parser: str = "hermes"):
         self.model = engine.served_model_name
         self.tool_parser = tool_parser
         self._decode_one = functools.lru_cache(maxsize=65536)(lambda t: engine.tokenizer.decode([t]))

@@ -25,34 +25,10 @@ from typing import Any
 
 import torch
 
-from pdserve.runtime.structured_output.backends import BACKENDS, XGRAMMAR_UNENFORCED, Backend, Matcher, uses_keywords
+from pdserve.runtime.structured_output.backends import XGRAMMAR_UNENFORCED, Backend, BACKENDS, Matcher, uses_keywords
 from pdserve.runtime.structured_output.params import BACKEND_CHOICES, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GrammarBitmask:
-    """Allowed tokens of the constrained rows among a step's sampling rows (what the scheduler output carries).
-
-    ``request_ids``: the step's sampling rows in order; ``bitmask``: int32 ``(len(request_ids), ceil(vocab/32))`` on
-    the CPU, all ones for unconstrained rows; ``rows``: indices of the constrained rows."""
-
-    request_ids: list[str]
-    bitmask: torch.Tensor
-    rows: list[int]
-
-    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> None:
-        """Mask ``logits`` (N, vocab) float32, row i belonging to ``request_ids[i]``, in place: -inf where refused."""
-        import xgrammar as xgr
-
-        mask, rows = self.bitmask, self.rows
-        if request_ids != self.request_ids:   # the runner ordered its rows differently: follow its order
-            where = {rid: i for i, rid in enumerate(self.request_ids)}
-            mask = mask[[where[r] for r in request_ids]]
-            constrained = {self.request_ids[i] for i in self.rows}
-            rows = [i for i, r in enumerate(request_ids) if r in constrained]
-        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
 
 
 @dataclass
@@ -186,24 +162,24 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask of a step whose sampling rows are ``request_ids`` (None if no row is constrained). One native
-        fill call per backend present in the batch."""
+    def is_ready(self, request_id: str) -> bool:
+        """The request has a matcher (its rows must be masked)."""
+        g = self._requests.get(request_id)
+        return g is not None and g.matcher is not None
+
+    def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
+        """int32 ``(len(request_ids), ceil(vocab / 32))`` on the CPU: row i allows the tokens the grammar of
+        ``request_ids[i]`` (each ``is_ready``) allows next. One native fill call per backend present in the batch."""
         groups: dict[str, tuple[Backend, list[Matcher], list[int]]] = {}
         for i, rid in enumerate(request_ids):
-            g = self._requests.get(rid)
-            if g is not None and g.matcher is not None:
-                groups.setdefault(g.backend.name, (g.backend, [], []))
-                groups[g.backend.name][1].append(g.matcher)
-                groups[g.backend.name][2].append(i)
-        if not groups:
-            return None
+            g = self._requests[rid]
+            groups.setdefault(g.backend.name, (g.backend, [], []))
+            groups[g.backend.name][1].append(g.matcher)
+            groups[g.backend.name][2].append(i)
         bitmask = torch.full((len(request_ids), self._words), -1, dtype=torch.int32)
-        rows: list[int] = []
-        for backend, matchers, idx in groups.values():
-            backend.fill_bitmask(matchers, idx, bitmask)
-            rows += idx
-        return GrammarBitmask(list(request_ids), bitmask, sorted(rows))
+        for backend, matchers, rows in groups.values():
+            backend.fill_bitmask(matchers, rows, bitmask)
+        return bitmask
 
     def accept(self, request_id: str, output_token_ids: list[int]) -> bool:
         """Bring the matcher to ``output_token_ids`` (advance over new tokens, roll back dropped ones). False when the

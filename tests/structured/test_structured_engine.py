@@ -15,7 +15,8 @@ import torch
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.structured_output.manager import GrammarBitmask, StructuredOutputManager
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.structured_output.manager import StructuredOutputManager
 from pdserve.runtime.structured_output.params import StructuredOutputsParams as SO
 
 pytestmark = pytest.mark.slow
@@ -52,15 +53,18 @@ def run(llm, reqs: dict[str, tuple[list[int], SamplingParams]], on_step=None) ->
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records, for every masked step, the unmasked argmax and the bitmask of each row (the real apply runs)."""
+    """Records, for every step with a grammar, the rows, their unmasked argmax and the bitmask the sampler applies
+    (the real sampler runs)."""
     steps: list[tuple[list[str], list[int], torch.Tensor, list[int]]] = []
-    original = GrammarBitmask.apply
+    original = Sampler.__call__
 
-    def apply(self, logits, request_ids):
-        steps.append((list(request_ids), logits.argmax(-1).tolist(), self.bitmask.clone(), list(self.rows)))
-        original(self, logits, request_ids)
+    def call(self, logits, meta):
+        if meta.grammar_bitmask is not None:
+            steps.append((list(meta.req_ids), logits.argmax(-1).tolist(), meta.grammar_bitmask.clone(),
+                          list(meta.grammar_rows)))
+        return original(self, logits, meta)
 
-    monkeypatch.setattr(GrammarBitmask, "apply", apply)
+    monkeypatch.setattr(Sampler, "__call__", call)
     return steps
 
 
@@ -196,8 +200,9 @@ def test_pd_decode_enforces_the_grammar_from_its_first_token(llm, tmp_path):
     prefill = LLM(dtype="float32", num_gpu_blocks=64, kv_connector="disk", kv_role="prefill", kv_connector_config=cfg)
     decode = LLM(dtype="float32", num_gpu_blocks=64, kv_connector="disk", kv_role="decode", kv_connector_config=cfg)
     try:
-        prefill.engine.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0, structured_outputs=sp.structured_outputs),
-                                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        one = SamplingParams(max_tokens=1, temperature=0, structured_outputs=sp.structured_outputs)
+        prefill.engine.add_request("p", ids, one, kv_transfer_params={"do_remote_decode": True,
+                                                                      "do_remote_prefill": False})
         out = None
         while out is None:
             out = next((o for o in prefill.engine.step() if o.finished), None)
