@@ -31,6 +31,7 @@ from pdserve import __version__, tracing
 from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime import request_mapping as mapping
+from pdserve.runtime.structured_output.metrics import StructuredOutputCollector
 from pdserve.runtime import streaming
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine_client import EngineClient
@@ -51,6 +52,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
     """The FastAPI app serving ``engine``; the engine loop thread runs for the app's lifespan."""
     metrics = ServerMetrics(engine.served_model_name, kv_connector=engine.config.kv_transfer.connector is not None)
     metrics.set_model_weight_bytes(engine.weight_bytes)
+    metrics.registry.register(StructuredOutputCollector(engine.structured.stats, engine.served_model_name))
     state = ServerState(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
     builder = ResponseBuilder(engine, tool_parser=options.tool_call_parser)
     kv_fingerprint = drain_mod.fingerprint(engine)

@@ -41,12 +41,23 @@ class _RequestGrammar:
     num_accepted: int = 0
 
 
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 @dataclass
 class StructuredOutputStats:
-    compile_seconds: list[float] = field(default_factory=list)   # drained by the metrics exporter
+    """Cumulative counters (read by runtime/structured_output/metrics.py from any thread)."""
+
+    compile_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_BUCKETS) + 1))  # last: +Inf
+    compile_seconds_sum: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
     requests_by_kind: Counter = field(default_factory=Counter)
+
+    def observe_compile(self, seconds: float) -> None:
+        self.compile_buckets[next((i for i, b in enumerate(COMPILE_BUCKETS) if seconds <= b),
+                                  len(COMPILE_BUCKETS))] += 1
+        self.compile_seconds_sum += seconds
 
 
 class StructuredOutputManager:
@@ -98,7 +109,8 @@ class StructuredOutputManager:
                 return self.backend(asked), self.backend(asked).compile(kind, spec)
             return self._compile_auto(kind, spec)
         finally:
-            self.stats.compile_seconds.append(time.perf_counter() - t0)
+            with self._lock:
+                self.stats.observe_compile(time.perf_counter() - t0)
 
     def _compile_auto(self, kind: str, spec: str) -> tuple[Backend, Any]:
         """xgrammar, unless the schema uses keywords only llguidance enforces or xgrammar cannot read a grammar

@@ -272,3 +272,15 @@ def test_bad_input_is_400(server, body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:
         assert err["param"] == param
+
+
+def test_metrics(server):
+    """Run last in the module: the requests above compiled grammars, hit the cache and were counted by kind."""
+    from pdserve.runtime.metrics import parse_samples
+
+    s = parse_samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    label = f'model_name="{MODEL}"'
+    assert s[f"pdserve:grammar_compile_seconds_count{{{label}}}"] >= 5
+    assert s[f"pdserve:grammar_cache_hits_total{{{label}}}"] >= 1
+    assert s[f'pdserve:structured_output_requests_total{{kind="json",{label}}}'] >= 5
+    assert s[f'pdserve:structured_output_requests_total{{kind="regex",{label}}}'] >= 20
