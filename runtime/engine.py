@@ -259,13 +259,18 @@ class LLMEngine:
             sched_out.grammar_bitmask = self.structured.grammar_bitmask(ids)
 
     def _advance_grammars(self, progressed: list[Request]) -> None:
-        """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager)."""
+        """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
+        A grammar that accepted its stop token ends the request even under ``ignore_eos``: nothing more may follow."""
         for req in progressed:
-            if self.structured.has(req.request_id) and not self.structured.accept(req.request_id,
-                                                                                 req.output_token_ids):
+            rid = req.request_id
+            if not self.structured.has(rid):
+                continue
+            if not self.structured.accept(rid, req.output_token_ids):
                 if not req.is_finished:
                     self.scheduler.fail_request(req, "structured output: the grammar refused a sampled token")
                 req.status, req.error = RequestStatus.FINISHED_ERROR, "structured output: grammar refused a token"
+            elif not req.is_finished and self.structured.is_terminated(rid):
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
 
     def _postprocess_all(self, progressed: list[Request]) -> list[RequestOutput]:
         now = time.time()

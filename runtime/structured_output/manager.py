@@ -174,6 +174,10 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def is_terminated(self, request_id: str) -> bool:
+        g = self._requests.get(request_id)
+        return g is not None and g.matcher is not None and g.matcher.is_terminated()
+
     def is_ready(self, request_id: str) -> bool:
         """The request has a matcher (its rows must be masked)."""
         g = self._requests.get(request_id)

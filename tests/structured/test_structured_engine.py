@@ -216,3 +216,35 @@ def test_pd_decode_enforces_the_grammar_from_its_first_token(llm, tmp_path):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_compile_timeout_fails_cleanly(llm):
+    """A grammar still compiling after the timeout: validate (the server's 400) and ready (the engine's error) both
+    raise ValueError naming the timeout; nothing hangs."""
+    m = StructuredOutputManager(llm.tokenizer, int(llm.engine.hf_config.vocab_size), [llm.engine.eos_token_id],
+                                compile_timeout_s=0.2)
+    gate = threading.Event()
+    m._compile = lambda *a: gate.wait(30)   # a compile that takes "forever"
+    try:
+        with pytest.raises(ValueError, match="longer than 0.2s"):
+            m.validate(SO(regex="a+"))
+        m.add_request("r", SO(regex="a+"))
+        m._requests["r"].added -= 1.0   # added a second ago
+        with pytest.raises(ValueError, match="longer than 0.2s"):
+            m.ready("r")
+    finally:
+        gate.set()
+        m.shutdown()
+
+
+def test_grammar_end_stops_the_request_even_with_ignore_eos(llm):
+    """Once the grammar accepted its stop token nothing more is allowed: the request stops (not an all-masked step)."""
+    eng = llm.engine
+    eng.add_request("c", prompt(llm, "Yes or no?"), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                                   structured_outputs=SO(choice=["yes", "no"])))
+    out = None
+    while out is None:
+        out = next((o for o in eng.step() if o.finished), None)
+    c = out.outputs[0]
+    assert out.error is None and c.finish_reason == "stop" and c.text in ("yes", "no")
+    assert c.token_ids[-1] == eng.eos_token_id
