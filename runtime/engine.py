@@ -136,6 +136,8 @@ class LLMEngine:
                                                       else params.seed + i)) for i in range(params.n)]
             if any(cid in self._requests for cid, _ in children):
                 raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
+        if params.structured_outputs is not None:   # starts its compile; bad JSON text raises here, before any trace
+            self.structured.compile(params.structured_outputs)
         # Build everything before registering anything: a failure must leave no trace.
         reqs = [Request(rid, token_ids, p, block_size=self.config.cache.block_size, eos_token_id=self.eos_token_id,
                         prompt=prompt_text, priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
