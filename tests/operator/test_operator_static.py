@@ -67,12 +67,32 @@ def test_crd_schema_is_structural_and_has_the_rules():
     assert crd["spec"]["names"]["shortNames"] == ["pdis"]
 
 
+def expected_children(name: str, disaggregated: bool) -> set[tuple[str, str]]:
+    """What one InferenceService owns: a router (ServiceAccount + Role + RoleBinding for pod discovery, Deployment, PDB),
+    the client Service and the headless pod Service, the shared ConfigMap, and a Deployment + PDB per engine pool."""
+    pools = ["decode", "router"] + (["prefill"] if disaggregated else [])
+    return ({("ConfigMap", f"{name}-config"), ("Service", name), ("Service", f"{name}-pods")}
+            | {(kind, f"{name}-router") for kind in ("ServiceAccount", "Role", "RoleBinding")}
+            | {(kind, f"{name}-{pool}") for pool in pools for kind in ("Deployment", "PodDisruptionBudget")})
+
+
+# example -> (InferenceService name, has a prefill pool); a new example needs its line here
+EXAMPLES = {"gpu-disk.yaml": ("llama-8b", True), "smollm2-autoscaled.yaml": ("smollm2-auto", True),
+            "smollm2-monolithic.yaml": ("smollm2-mono", False), "smollm2-pd.yaml": ("smollm2", True)}
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "crds" / "examples").glob("*.yaml")))
 def test_examples_reconcile(example):
+    # the exact set of children: a dropped PDB, RBAC object or prefill pool fails here (a count of >= 8 did not)
     body = yaml.safe_load((REPO / "crds" / "examples" / example).read_text())
     body["metadata"].update(namespace="ns", uid="u", generation=1)
     result = reconcile(body, Observed())
-    assert result.error is None and len(result.objects) >= 8
+    assert result.error is None
+    objects = [(o["kind"], o["metadata"]["name"]) for o in result.objects]
+    assert len(objects) == len(set(objects)), f"an object rendered twice: {objects}"
+    assert set(objects) == expected_children(*EXAMPLES[example])
+    for o in result.objects:   # each in the InferenceService's namespace and owned by it (garbage-collected with it)
+        assert o["metadata"]["namespace"] == "ns" and [r["uid"] for r in o["metadata"]["ownerReferences"]] == ["u"], o
 
 
 # -- Dockerfile (structure only: no Docker engine on this machine) --------------------------------------------------
