@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import nullcontext
 
 import torch
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
                                     dtype=dtype, device=device)
         self.sampler = Sampler(device)
+        self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
 
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids (T,), positions (T,), metadata) for the step, on the model's device."""
@@ -92,7 +94,10 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta = self.build_metadata(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
+        lora = nullcontext() if self.lora is None else self.lora.step_context(
+            [requests[s.request_id].lora for s in out.scheduled], meta.query_lens_cpu, self.device)
+        with lora:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)                   # (T, hidden)
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
         if not rows:
             return {}

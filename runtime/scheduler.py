@@ -57,7 +57,8 @@ class SampledToken:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 connector: KVConnectorBase | None = None, load_failure_policy: str = "recompute") -> None:
+                 connector: KVConnectorBase | None = None, load_failure_policy: str = "recompute",
+                 max_loras: int | None = None) -> None:
         self.config = config
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
@@ -66,6 +67,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
         self.load_failure_policy = load_failure_policy
+        self.max_loras = max_loras                    # distinct LoRA adapters among running requests (device slots)
         self.requests: dict[str, Request] = {}        # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -175,7 +177,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._pop_waiting()
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or not self._lora_fits(req):
                 skipped.append(req)
                 continue
             hits: list = []
@@ -223,6 +225,13 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Running requests use at most ``max_loras`` distinct adapters, so every step's adapters fit the slots."""
+        if self.max_loras is None or req.lora is None:
+            return True
+        active = {r.lora.int_id for r in self.running if r.lora is not None}
+        return req.lora.int_id in active or len(active) < self.max_loras
 
     def _pop_waiting(self) -> Request:
         if self.config.policy == "priority":
