@@ -43,6 +43,8 @@ class EngineStats:
     kv_load_failures: int
     recomputed_tokens: int
     num_blocks: int = 0
+    running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
+    waiting_lora_adapters: list[str] | None = None
 
 
 def _is_device_fault(e: BaseException) -> bool:
@@ -321,7 +323,9 @@ class LLMEngine:
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
-                           recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks)
+                           recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks,
+                           running_lora_adapters=sorted({r.lora_name for r in s.running if r.lora is not None}),
+                           waiting_lora_adapters=sorted({r.lora_name for r in s.waiting if r.lora is not None}))
 
     def take_kv_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call, oldest first."""

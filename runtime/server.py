@@ -35,6 +35,7 @@ from pdserve import __version__, tracing
 from pdserve.kv_connectors import kv_auth
 from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import envs
+from pdserve.runtime import lora_routes
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
@@ -138,7 +139,7 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
         return {"object": "list", "data": [{
             "id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
             "root": str(getattr(engine.config.model, "model", None) or engine.served_model_name),
-            "parent": None, "max_model_len": engine.max_model_len}]}
+            "parent": None, "max_model_len": engine.max_model_len}, *lora_routes.model_cards(engine, state.created)]}
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -162,23 +163,24 @@ def build_app(engine: Any, options: ServerOptions = ServerOptions(), *,
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await _json(request))
-        _check_model(state, req.model)
+        lora = _check_model(state, req.model)
         prompt = req.single_prompt()
         if isinstance(prompt, str):  # tokenized as the engine does
             prompt_ids = await state.off_loop(lambda: list(engine.tokenizer.encode(prompt, add_special_tokens=False)))
         else:
             prompt_ids = list(prompt)
         prompt_ids, params = _checked(state, req, prompt_ids)
-        return await _serve(request, state, builder, "completion", req, prompt_ids, params)
+        return await _serve(request, state, builder, "completion", req, prompt_ids, params, lora)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
-        _check_model(state, req.model)
+        lora = _check_model(state, req.model)
         prompt_ids = await _chat_ids(state, req.message_dicts(), req.add_generation_prompt)
         prompt_ids, params = _checked(state, req, prompt_ids)
-        return await _serve(request, state, builder, "chat", req, prompt_ids, params)
+        return await _serve(request, state, builder, "chat", req, prompt_ids, params, lora)
 
+    lora_routes.install_routes(app, state, guarded, _json)
     return app
 
 
@@ -252,10 +254,9 @@ def _check_json_values(body: Any, check_strings: bool) -> None:
                 raise ApiError(400, "malformed JSON body: a string holds a lone UTF-16 surrogate") from None
 
 
-def _check_model(state: _State, model: str | None) -> None:
-    if model is not None and model not in state.model_names:
-        raise ApiError(400, f"model {model!r} not found; this server serves {state.engine.served_model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(state: _State, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model); ApiError for an unknown model."""
+    return lora_routes.resolve(state.engine, model, state.model_names)
 
 
 def _check_token_ids(state: _State, ids: list[int], param: str) -> None:
@@ -300,7 +301,7 @@ def _request_id(request: Request, state: _State, body_id: str | None) -> tuple[s
 
 
 async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind: str, req: Any,
-                 prompt_ids: list[int], params: SamplingParams) -> Response:
+                 prompt_ids: list[int], params: SamplingParams, lora: str | None = None) -> Response:
     ae, metrics = state.async_engine, state.metrics
     max_waiting = state.options.max_waiting
     if max_waiting is not None and ae.num_unstarted >= max_waiting:
@@ -312,7 +313,10 @@ async def _serve(request: Request, state: _State, builder: ResponseBuilder, kind
     arrival = time.monotonic()
     try:
         stream = await ae.add(rid, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt,
-                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time())
+                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time(),
+                              **({"lora_name": lora} if lora is not None else {}))
+    except KeyError as e:   # LoRANotFound: the adapter was unloaded since the request was checked
+        raise ApiError(404, str(e), param="model", code="model_not_found") from None
     except InvalidParam as e:
         raise req.api_error(e) from None
     except ValueError as e:
@@ -490,6 +494,11 @@ def run_server(args: Any) -> int:
     from pdserve.runtime.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    try:
+        lora_routes.register_modules(engine, getattr(args, "lora_modules", None))
+    except ValueError:
+        engine.shutdown()
+        raise
     publisher = None
     if args.kv_events_port:
         publisher = KVEventPublisher(args.kv_events_host, args.kv_events_port,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 ADAPTERS = {  # name -> (rank, alpha, target modules, use_rslora)
@@ -59,3 +58,45 @@ def hf_greedy(adapter_dir: Path | None, prompts: list[list[int]], eos: int, max_
                                  max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
             refs.append(out[0, len(ids):].tolist())
     return refs
+
+
+def broken_adapters(good: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    """Adapters that must be refused, each with a phrase of the reason, derived from the good adapter ``good``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out: dict[str, tuple[Path, str]] = {}
+
+    def variant(name: str, tensors: dict | None = None, config: dict | None = None) -> Path:
+        d = root / name
+        shutil.copytree(good, d)
+        if tensors is not None:
+            save_file(tensors, str(d / "adapter_model.safetensors"))
+        if config is not None:
+            import json
+
+            cfg = json.loads((d / "adapter_config.json").read_text())
+            (d / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+        return d
+
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    pickle = variant("pickle")
+    (pickle / "adapter_model.safetensors").unlink()
+    (pickle / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    out["pickle"] = (pickle, "pickled")
+    out["shapes"] = (variant("shapes", {k: (v[:, :100].contiguous() if "lora_A" in k else v) for k, v in weights.items()}),
+                     "another base model")
+    out["rank"] = (variant("rank", {k: torch.cat([v] * 4, dim=0 if "lora_A" in k else 1) for k, v in weights.items()},
+                           {"r": 32}), "max-lora-rank")
+    corrupt = variant("corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"garbage" * 10)
+    out["corrupt"] = (corrupt, "corrupt")
+    key = next(iter(weights))
+    out["lm_head"] = (variant("lm_head", {**weights, "base_model.model.lm_head.lora_A.weight": weights[key].clone()}),
+                      "unsupported")
+    missing = variant("missing")
+    (missing / "adapter_config.json").unlink()
+    out["missing"] = (missing, "adapter_config.json")
+    out["dora"] = (variant("dora", config={"use_dora": True}), "DoRA")
+    return out
