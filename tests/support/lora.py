@@ -6,6 +6,7 @@ which would make an adapter equal to the base model) so every adapter really cha
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -25,38 +26,47 @@ def base_model_path() -> Path:
     return resolve_model_path(None)
 
 
-def make_adapter(out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int,
-                 b_std: float = 0.05) -> Path:
-    from peft import LoraConfig, get_peft_model
+@functools.lru_cache(maxsize=1)
+def hf_base_model():
+    """The default model in transformers, float32, loaded once per process (adapters are added and removed again)."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(str(base_model_path()), dtype=torch.float32).eval()
+
+
+def make_adapter(out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int,
+                 b_std: float = 0.15) -> Path:
+    from peft import LoraConfig, get_peft_model
+
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(str(base_model_path()), dtype=torch.float32)
-    peft_model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+    peft_model = get_peft_model(hf_base_model(), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
                                                lora_dropout=0.0, task_type="CAUSAL_LM"))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, b_std)
     peft_model.save_pretrained(str(out), safe_serialization=True)
+    peft_model.unload()  # the shared base model gets its plain projections back
     return out
 
 
 def hf_greedy(adapter_dir: Path | None, prompts: list[list[int]], eos: int, max_new: int = MAX_NEW) -> list[list[int]]:
     """transformers (+ PEFT when ``adapter_dir``) greedy continuations, one generate call per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base_model_path()), dtype=torch.float32).eval()
+    model = hf_base_model()
     if adapter_dir is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            refs.append(out[0, len(ids):].tolist())
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+                refs.append(out[0, len(ids):].tolist())
+    finally:
+        if adapter_dir is not None:
+            model.unload()
     return refs
 
 
