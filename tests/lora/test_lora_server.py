@@ -99,6 +99,17 @@ def test_management_routes_need_the_api_key(server, adapter_dirs):
 
 
 def test_lora_metrics(client, server, prompt_ids):
+    from pdserve.router.plugins.lora_affinity import parse_lora_info
+
+    stream = client.completions.create(model="attn8", prompt=prompt_ids[1], max_tokens=60, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))      # running now: the router's scrape sees the adapter resident
+        info = parse_lora_info(httpx.get(server.url + "/metrics", timeout=30).text)
+    finally:
+        stream.close()
+    assert info["lora_running"] == {"attn8"} and info["max_loras"] == 2
+    assert info["base_model"] == next(m.id for m in client.models.list().data if m.parent is None)
     _complete(client, "attn8", prompt_ids[1])
     text = httpx.get(server.url + "/metrics", timeout=30).text
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
