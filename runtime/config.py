@@ -52,11 +52,19 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str                              # a PEFT directory (adapter_config.json + adapter_model.safetensors)
+    base_model_name: str | None = None     # reported as the adapter's ``parent`` in /v1/models
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     enable_lora: bool = False              # wrap the projections for batched multi-LoRA (runtime/lora_manager.py)
     max_loras: int = 1                     # adapters resident on the device at once (slots); one step uses <= this
     max_lora_rank: int = 64                # largest rank accepted; the slot tensors are padded to it
     max_cpu_loras: int | None = None       # adapters kept loaded in CPU memory (LRU); None -> max_loras
+    lora_modules: tuple[LoRAModule, ...] = ()  # registered at start (--lora-modules); a broken one stops the start
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < 1):

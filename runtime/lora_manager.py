@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 
@@ -56,6 +57,8 @@ class LoRAManager:
         self.slots: list[LoRAAdapter | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, int] = OrderedDict()        # int_id -> slot, least recently used first
         self._ids = itertools.count(1)
+        # int_id -> adapter while anything holds it (requests do): how the runner, which sees only ids, finds weights
+        self._by_id: weakref.WeakValueDictionary[int, LoRAAdapter] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # registry edits may come from the server thread while the engine steps
         self.requests_total: Counter[str] = Counter()                # per adapter name
         self.num_slot_loads = 0
@@ -100,9 +103,10 @@ class LoRAManager:
                 raise LoRANotFound(f"The lora adapter '{name}' cannot be found.")
             self.cpu.pop(name, None)
 
-    def names(self) -> list[tuple[str, str | None]]:
+    def names(self) -> list[tuple[str, str, str | None]]:
+        """(name, path, base_model_name) of every registered adapter."""
         with self._lock:
-            return [(n, base) for n, (_, base) in self.registry.items()]
+            return [(n, path, base) for n, (path, base) in self.registry.items()]
 
     def __contains__(self, name: str) -> bool:
         return name in self.registry
@@ -134,10 +138,12 @@ class LoRAManager:
             self._evict_cpu()
 
     # ---- steps (engine thread) ------------------------------------------------------------------------------------------
-    def step_context(self, adapters: list[LoRAAdapter | None], num_tokens: list[int],
+    def step_context(self, lora_ids: list[int], num_tokens: list[int],
                      device: torch.device) -> AbstractContextManager:
-        """Give the step's adapters slots and return the context to run the forward pass in. ``adapters[i]`` is the
-        adapter of scheduled sequence i (None: the base model), ``num_tokens[i]`` its token count this step."""
+        """Give the step's adapters slots and return the context to run the forward pass in. ``lora_ids[i]`` is the
+        adapter id (``LoRAAdapter.int_id``, 0: the base model) of scheduled row i, ``num_tokens[i]`` its token count
+        this step."""
+        adapters = [self._by_id[i] if i else None for i in lora_ids]
         slot_of = self.activate([a for a in adapters if a is not None])
         seq_slots = [-1 if a is None else slot_of[a.int_id] for a in adapters]
         self.last_step_slots = seq_slots
@@ -173,6 +179,7 @@ class LoRAManager:
     def _load(self, name: str, path: str) -> LoRAAdapter:
         adapter = load_adapter(name, path, self.shapes, self.config.max_lora_rank)
         adapter.int_id = next(self._ids)
+        self._by_id[adapter.int_id] = adapter
         return adapter
 
     def _cache(self, adapter: LoRAAdapter) -> None:

@@ -1,8 +1,8 @@
 """The server's LoRA surface, shaped like vLLM's: flags, model resolution, adapter management routes, metrics.
 
 * ``--enable-lora --max-loras N --max-lora-rank R --max-cpu-loras M --lora-modules name=path ...`` (or the JSON form
-  ``'{"name": ..., "path": ..., "base_model_name": ...}'``) registers adapters at start; a broken one stops the start
-  with its reason.
+  ``'{"name": ..., "path": ..., "base_model_name": ...}'``; runtime/cli.py -> ``LoRAConfig``): the engine registers
+  them at start, and a broken one stops the start with its reason.
 * A request selects an adapter by ``model`` (vLLM): the base name -> base model, an adapter name -> that adapter, an
   unknown name -> 404 (``NotFoundError`` shape) while LoRA is on.
 * ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and ``POST /v1/unload_lora_adapter {"lora_name"}`` exist
@@ -29,18 +29,12 @@ from pdserve.runtime import envs
 from pdserve.runtime.protocol import ApiError, parse
 
 
-# ---- start-up ---------------------------------------------------------------------------------------------------------
-def register_modules(engine: Any, modules: list[dict[str, str | None]] | None) -> None:
-    for m in modules or []:
-        engine.add_lora(m["name"], m["path"], m.get("base_model_name"))
-
-
 # ---- requests ----------------------------------------------------------------------------------------------------------
 def resolve(engine: Any, model: str | None, base_names: set[str]) -> str | None:
     """The adapter a request's ``model`` selects (None: the base model). ApiError 404/400 for an unknown name."""
     if model is None or model in base_names:
         return None
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
     if lora is not None:
         if model in lora:
             return model
@@ -50,12 +44,12 @@ def resolve(engine: Any, model: str | None, base_names: set[str]) -> str | None:
 
 
 def model_cards(engine: Any, created: int) -> list[dict[str, Any]]:
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
     if lora is None:
         return []
     return [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
-             "root": lora.registry.get(name, ("",))[0], "parent": base or engine.served_model_name,
-             "max_model_len": engine.max_model_len} for name, base in lora.names()]
+             "root": path, "parent": base or engine.served_model_name,
+             "max_model_len": engine.max_model_len} for name, path, base in lora.names()]
 
 
 # ---- management routes -------------------------------------------------------------------------------------------------
@@ -74,7 +68,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 def install_routes(app: FastAPI, state: Any, guarded: list, read_json: Any) -> None:
     """Adapter management routes (only with runtime updating allowed) and the LoRA metrics."""
     engine = state.engine
-    if getattr(engine, "lora", None) is None:
+    if engine.lora is None:
         return
     state.metrics.registry.register(LoRACollector(engine, state.metrics))
     if not envs.allow_runtime_lora_updating():

@@ -98,9 +98,9 @@ def test_lru_slots_with_one_slot(adapter_dirs, prompt_ids, hf_refs, tmp_path):
         seen_slots = []
         orig = engine.lora.step_context
 
-        def spy(adapters, num_tokens, device):
-            seen_slots.append({a.name for a in adapters if a is not None})
-            return orig(adapters, num_tokens, device)
+        def spy(lora_ids, num_tokens, device):
+            seen_slots.append({i for i in lora_ids if i})
+            return orig(lora_ids, num_tokens, device)
 
         engine.lora.step_context = spy
         outs = llm.generate(prompts, GREEDY, lora_name=names)
