@@ -83,10 +83,11 @@ def test_unknown_adapter_is_refused(llm, prompt_ids):
 
 def test_lru_slots_with_one_slot(adapter_dirs, prompt_ids, hf_refs, tmp_path):
     """max_loras=1, max_cpu_loras=1, three adapters submitted together: never two in one step, all correct, and the
-    CPU cache re-reads evicted adapters from disk."""
+    CPU cache re-reads evicted adapters from disk. Steps of 4 tokens on top (chunked prefill): an adapter's prompt
+    spans steps and slot swaps, and every chunk runs with its own adapter's weights."""
     third = make_adapter(tmp_path / "third", 4, 8, ["v_proj", "down_proj"], False, seed=7, b_std=0.3)
-    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=256, enable_lora=True, max_loras=1,
-              max_lora_rank=16, max_cpu_loras=1)
+    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=64, enable_lora=True, max_loras=1,
+              max_lora_rank=16, max_cpu_loras=1, max_num_batched_tokens=4, enable_prefix_caching=False)
     try:
         engine = llm.engine
         for name, path in adapter_dirs.items():
