@@ -129,8 +129,14 @@ class LoRAManager:
                     adapter = self.cpu.get(name, adapter)
                     self._cache(adapter)
         adapter.ref_count += 1
-        self.requests_total[name] += 1
+        with self._lock:
+            self.requests_total[name] += 1
         return adapter
+
+    def request_counts(self) -> dict[str, int]:
+        """Requests admitted per adapter name so far (any thread)."""
+        with self._lock:
+            return dict(self.requests_total)
 
     def release(self, adapter: LoRAAdapter) -> None:
         adapter.ref_count = max(0, adapter.ref_count - 1)

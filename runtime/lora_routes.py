@@ -114,6 +114,6 @@ class LoRACollector(Collector):
         yield info
         total = CounterMetricFamily("pdserve:lora_requests", "Requests admitted per LoRA adapter.",
                                     labels=["model_name", "lora_name"])
-        for name, n in sorted(dict(self.engine.lora.requests_total).items()):
+        for name, n in sorted(self.engine.lora.request_counts().items()):
             total.add_metric([self.metrics.model_name, name], float(n))
         yield total
