@@ -248,3 +248,23 @@ def test_grammar_end_stops_the_request_even_with_ignore_eos(llm):
     c = out.outputs[0]
     assert out.error is None and c.finish_reason == "stop" and c.text in ("yes", "no")
     assert c.token_ids[-1] == eng.eos_token_id
+
+
+def test_structural_tag_both_shapes(llm):
+    """vLLM's {"structures", "triggers"} and xgrammar's {"type": "structural_tag", "format"}: free text, and the
+    schema enforced between the tags; a malformed tag is refused with the reason."""
+    m = llm.engine.structured
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    legacy = {"structures": [{"begin": "<f>", "schema": obj, "end": "</f>"}], "triggers": ["<f>"]}
+    new = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": obj}, "end": "</f>"}]}}
+    for i, tag in enumerate((legacy, new)):
+        so = SO(structural_tag=json.dumps(tag))
+        assert m.validate(so) == "xgrammar"
+        for rid, text, ok in ((f"ok{i}", 'hi <f>{"a": 1}</f> ok', True), (f"bad{i}", 'hi <f>{"b": 1}</f>', False)):
+            m.add_request(rid, so)
+            assert m.ready(rid)
+            assert m.accept(rid, llm.tokenizer.encode(text, add_special_tokens=False)) is ok
+            m.remove(rid)
+    with pytest.raises(ValueError, match="not recognized"):
+        m.validate(SO(structural_tag=json.dumps({"type": "structural_tag", "format": {"type": "nope"}})))
