@@ -34,6 +34,8 @@ class ForwardOutput:
     req_ids: list[str]            # requests to sample, in batch order
     logits: torch.Tensor          # (N, vocab) float32
     hidden_states: torch.Tensor   # (N, hidden): the last position's hidden state per row (e.g. for a draft model)
+    grammar_bitmask: torch.Tensor | None = None   # (N, ceil(vocab/32)) int32 of the rows, all ones where free
+    grammar_rows: list[int] | None = None         # rows a grammar constrains
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -126,14 +128,31 @@ class ModelRunner:
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
         hidden = hidden[last[rows]]                                                          # (N, hidden)
         logits = self.model.compute_logits(hidden)                                           # (N, vocab)
-        return ForwardOutput([req_ids[i] for i in rows], logits.float(), hidden)
+        fwd = ForwardOutput([req_ids[i] for i in rows], logits.float(), hidden)
+        if out.grammar_bitmask is not None:
+            self._attach_grammar(fwd, out)
+        return fwd
+
+    @staticmethod
+    def _attach_grammar(fwd: ForwardOutput, out: SchedulerOutput) -> None:
+        """Reorder the scheduler's bitmask (one row per ``structured_output_request_ids``) onto the sampling rows."""
+        src = {rid: i for i, rid in enumerate(out.structured_output_request_ids)}
+        rows = [i for i, rid in enumerate(fwd.req_ids) if rid in src]
+        if not rows:
+            return
+        mask = out.grammar_bitmask
+        full = torch.full((len(fwd.req_ids), mask.shape[1]), -1, dtype=mask.dtype)
+        full[rows] = mask[[src[fwd.req_ids[i]] for i in rows]]
+        fwd.grammar_bitmask, fwd.grammar_rows = full, rows
 
     @torch.inference_mode()
     def sample(self, fwd: ForwardOutput | None) -> ModelRunnerOutput:
         """Sample one token per row of ``fwd`` and append it to the batch (only once the whole draw succeeded)."""
         if fwd is None:
             return ModelRunnerOutput()
-        sampled = self.sampler(fwd.logits, self.batch.sampling_metadata(fwd.req_ids))
+        meta = self.batch.sampling_metadata(fwd.req_ids)
+        meta.grammar_bitmask, meta.grammar_rows = fwd.grammar_bitmask, fwd.grammar_rows
+        sampled = self.sampler(fwd.logits, meta)
         for rid, t in zip(fwd.req_ids, sampled):
             self.batch.append_sampled(rid, [t.token_id])
         return ModelRunnerOutput(req_ids=list(fwd.req_ids), sampled_token_ids=[[t.token_id] for t in sampled],
