@@ -104,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the default random generator")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     m.add_argument("--attention-backend", default=None,
-                   help="attention backend by registry name, e.g. torch, triton, flash-attn (default: best available)")
+                   help="attention backend by registry name: torch, triton or flash (flash-attn; default: best available)")
 
     c = p.add_argument_group("KV cache and scheduling")
     c.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
