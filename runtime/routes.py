@@ -20,6 +20,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -162,7 +163,8 @@ async def _serve(request: Request, state: ServerState, builder: ResponseBuilder,
     except EngineDeadError as e:
         raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
     resp_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
-    trace = tracing.request_trace(request.headers, state.options.role, state.engine, base_id, inp.params,
+    traced = replace(inp.params, max_tokens=inp.max_tokens) if inp.params.max_tokens is None else inp.params
+    trace = tracing.request_trace(request.headers, state.options.role, state.engine, base_id, traced,
                                   req.kv_transfer_params)   # None while tracing is off
     timer = RequestTimer(metrics, arrival, trace)
     headers = {"X-Request-Id": base_id}
