@@ -10,7 +10,9 @@ request's stream until finished (streaming), emitting deltas of the engine's cum
 client that goes away aborts its request (the engine frees its blocks). ``drain`` (SIGTERM, runtime/drain.py)
 answers 503 to new requests and lets in-flight ones finish within the grace period.
 
-New endpoints are added in ``build_app`` with ``dependencies=guarded`` unless they must stay open (probes).
+New endpoints are added in ``build_app`` (or in a module of their own that ``build_app`` calls with the app) with
+``dependencies=[Depends(guard)]`` unless they must stay open (probes); each finds the shared ``ServerState`` as
+``request.app.state.pdserve``.
 """
 
 from __future__ import annotations
@@ -71,22 +73,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
     app.state.pdserve = state
     install_error_handlers(app)
 
-    def guard(request: Request) -> None:
-        """API key and drain checks for the inference endpoints."""
-        key = options.api_key
-        if key:
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
-        if state.draining:
-            metrics.rejected("draining")
-            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
-                                                                    drain_mod.DRAIN_HEADER: "1"})
-        if state.async_engine.dead is not None:
-            raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
-
-    guarded = [Depends(guard)]
+    guarded = [Depends(guard)]   # every endpoint but the probes
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,10 +93,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
-            "root": engine.config.model.model or engine.served_model_name, "parent": None,
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": model_cards(state)}
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -140,6 +124,31 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
         return await _serve(request, state, builder, "chat", req, await mapping.chat_input(state, req))
 
     return app
+
+
+def guard(request: Request) -> None:
+    """API key and drain checks for the inference endpoints (a FastAPI dependency)."""
+    state: ServerState = request.app.state.pdserve
+    key = state.options.api_key
+    if key:
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+    if state.draining:
+        state.metrics.rejected("draining")
+        raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
+                                                                drain_mod.DRAIN_HEADER: "1"})
+    if state.async_engine.dead is not None:
+        raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
+
+
+def model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The ``/v1/models`` entries: the served model (models served beside it, such as adapters, add theirs here)."""
+    engine = state.engine
+    return [{"id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
+             "root": engine.config.model.model or engine.served_model_name, "parent": None,
+             "max_model_len": engine.max_model_len}]
 
 
 async def _serve(request: Request, state: ServerState, builder: ResponseBuilder, kind: str, req: SamplingRequest,

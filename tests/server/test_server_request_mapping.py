@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import LLMEngine
+from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.routes import build_app
 
 POOL_TOKENS = 8 * 16
@@ -26,6 +27,11 @@ def client():
             yield c
     finally:
         engine.shutdown()
+
+
+def test_the_engine_is_what_the_server_expects(client):
+    assert isinstance(client.app.state.pdserve.engine, EngineClient)   # every member of the seam exists
+    assert not isinstance(object(), EngineClient)
 
 
 def test_open_ended_request_runs_until_the_pool_is_full(client):
