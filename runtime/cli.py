@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,  # the env fallback is resolved at start so --help never prints it
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: env PDSERVE_API_KEY, else no key)")
-    s.add_argument("--max-waiting", type=int, default=None,
+    s.add_argument("--max-waiting", type=_positive, default=None,
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
