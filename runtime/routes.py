@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__, tracing
 from pdserve.runtime import drain as drain_mod
+from pdserve.runtime import lora_routes
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime import request_mapping as mapping
 from pdserve.runtime import streaming
@@ -123,6 +124,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request))
         return await _serve(request, state, builder, "chat", req, await mapping.chat_input(state, req))
 
+    lora_routes.install_routes(app, state, guarded, read_json)
     return app
 
 
@@ -144,11 +146,11 @@ def guard(request: Request) -> None:
 
 
 def model_cards(state: ServerState) -> list[dict[str, Any]]:
-    """The ``/v1/models`` entries: the served model (models served beside it, such as adapters, add theirs here)."""
+    """The ``/v1/models`` entries: the served model, then the models served beside it (LoRA adapters)."""
     engine = state.engine
     return [{"id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
              "root": engine.config.model.model or engine.served_model_name, "parent": None,
-             "max_model_len": engine.max_model_len}]
+             "max_model_len": engine.max_model_len}, *lora_routes.model_cards(engine, state.created)]
 
 
 async def _serve(request: Request, state: ServerState, builder: ResponseBuilder, kind: str, req: SamplingRequest,
@@ -164,7 +166,10 @@ async def _serve(request: Request, state: ServerState, builder: ResponseBuilder,
     arrival = time.monotonic()
     try:
         stream = await ae.add(rid, inp.prompt_ids, inp.params, priority=req.priority, cache_salt=req.cache_salt,
-                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time())
+                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time(),
+                              **({"lora_name": inp.lora_name} if inp.lora_name is not None else {}))
+    except KeyError as e:   # LoRANotFound: the adapter was unloaded since the request was checked
+        raise ApiError(404, str(e), param="model", code="model_not_found") from None
     except InvalidParam as e:
         raise req.api_error(e) from None
     except ValueError as e:
