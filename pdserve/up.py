@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.runtime import envs
+
 LOCAL_CONNECTORS = ("nixl", "disk", "redis")
 # The modules each connector imports (the same names, in the same order, as kv_connectors/*_connector.py) and the
 # distribution that provides them; the disk connector needs nothing beyond the core dependencies.
@@ -167,7 +169,7 @@ def build_children(args: argparse.Namespace, workdir: Path, model_path: str) -> 
     logs = Path(args.log_dir) if args.log_dir else workdir
     logs.mkdir(parents=True, exist_ok=True)
     # The KV side channel's shared secret travels in the environment, never on a command line.
-    pod_env = {"PDSERVE_KV_TOKEN": os.environ.get("PDSERVE_KV_TOKEN") or secrets.token_hex(16)}
+    pod_env = {"PDSERVE_KV_TOKEN": envs.kv_transfer_token() or secrets.token_hex(16)}
     # With --api-key the pods require it too (they listen on loopback, but any local user could reach them), and the
     # router presents it upstream.
     router_env = {"PDSERVE_UPSTREAM_API_KEY": args.api_key} if args.api_key else {}

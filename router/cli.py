@@ -1,6 +1,4 @@
-"""``pdserve router``: flags -> RouterConfig -> RouterApp served by ``router.http_server`` (on uvloop when installed).
-
-``uvicorn_config`` is kept for serving other ASGI apps the same way (tests' fake pods, benchmarks)."""
+"""``pdserve router``: flags -> RouterConfig -> RouterApp served by ``router.http_server`` (on uvloop when installed)."""
 
 from __future__ import annotations
 
@@ -102,18 +100,6 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         max_retries=a.max_retries, cb_failure_threshold=a.cb_failure_threshold, cb_open_seconds=a.cb_open_seconds,
         balance_abs_threshold=a.balance_abs_threshold, balance_rel_threshold=a.balance_rel_threshold,
         trust_client_kv_params=a.trust_client_kv_params)
-
-
-
-def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):
-    import importlib.util
-
-    import uvicorn
-
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    return uvicorn.Config(app, host=host, port=port, loop=loop, http=http, lifespan="on", access_log=False,
-                          log_level=log_level, timeout_keep_alive=75, **kw)
 
 
 def run(a: argparse.Namespace) -> int:

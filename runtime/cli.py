@@ -85,7 +85,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,  # the env fallback is resolved at start so --help never prints it
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: env PDSERVE_API_KEY, else no key)")
-    s.add_argument("--max-waiting", type=int, default=None,
+    s.add_argument("--max-waiting", type=_positive, default=None,
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
@@ -115,7 +115,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the default random generator")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     m.add_argument("--attention-backend", default=None,
-                   help="attention backend by registry name, e.g. torch, triton, flash-attn (default: best available)")
+                   help="attention backend by registry name: torch, triton or flash (flash-attn; default: best available)")
 
     c = p.add_argument_group("KV cache and scheduling")
     c.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")

@@ -10,7 +10,7 @@ and may be read from any thread.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:   # types only: importing this module must not import torch
     from pdserve.kv_connectors.base import KVCacheSpec, KVConnectorBase
@@ -31,8 +31,10 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
+@runtime_checkable
 class EngineClient(Protocol):
-    """One engine as the server sees it. See ``LLMEngine`` for the semantics of each member."""
+    """One engine as the server sees it. See ``LLMEngine`` for the semantics of each member. ``isinstance(x,
+    EngineClient)`` checks that ``x`` has every member (tests hold ``LLMEngine`` to it)."""
 
     config: EngineConfig               # what the engine was built from (block size, KV transfer role and connector)
     served_model_name: str             # the model's name in the API

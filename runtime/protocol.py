@@ -1,10 +1,11 @@
 """OpenAI API request bodies and error responses (pydantic: the HTTP trust boundary).
 
 Request models validate shapes; ``parse`` then checks every range through ``runtime.validation`` (the one
-validation path, shared with the engine) by building the request's ``SamplingParams``. Checks that need the model
-(unknown model name, token ids, prompt plus ``max_tokens`` beyond ``max_model_len``) are done by the server. Unknown fields are ignored, as OpenAI clients send
-extras (``user``, ``metadata``...). ``ApiError`` carries an HTTP status and renders OpenAI's error JSON:
-``{"error": {"message", "type", "param", "code"}}``.
+validation path, shared with the engine) by building the request's ``SamplingParams`` once (``SamplingRequest.params``).
+Checks that need the model (unknown model name, empty prompt, token ids, prompt plus ``max_tokens`` beyond the context
+or the KV pool) are ``validation.check_request``'s, run by runtime/request_mapping.py. Unknown fields are ignored, as
+OpenAI clients send extras (``user``, ``metadata``...). ``ApiError`` carries an HTTP status and renders OpenAI's error
+JSON: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pdserve.runtime import validation
 from pdserve.runtime.sampling_params import SamplingParams
@@ -83,6 +84,7 @@ class SamplingRequest(_Request):
     structured_outputs: dict[str, Any] | None = None
 
     API_NAMES: ClassVar[dict[str, str]] = {}   # SamplingParams / check_request field -> this request's field
+    _params: SamplingParams | None = PrivateAttr(default=None)
 
     @field_validator("stop")
     @classmethod
@@ -98,8 +100,17 @@ class SamplingRequest(_Request):
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    @property
+    def params(self) -> SamplingParams:
+        """This request's ``SamplingParams``, built (and range-checked) once, by ``parse``. ``max_tokens`` is the
+        client's: None means the rest of the context (the engine resolves it; see ``validation.check_request``)."""
+        if self._params is None:
+            self._params = self.sampling_params(self.token_limit())
+        return self._params
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """This request's ``SamplingParams`` with ``max_tokens``; out-of-range values are a 400 naming the field."""
+        """This request's fields as ``SamplingParams`` with ``max_tokens``; out-of-range values are a 400 naming the
+        field. A request field that changes how tokens are chosen is mapped here."""
         fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty", "min_tokens",
                                                 "stop_token_ids")}
@@ -132,7 +143,7 @@ class SamplingRequest(_Request):
                 raise ApiError(400, "logit_bias is not supported", param="logit_bias")
         except InvalidParam as e:
             raise self.api_error(e) from None
-        self.sampling_params(self.token_limit())
+        self.params  # noqa: B018 - builds and checks the SamplingParams
 
 
 class CompletionRequest(SamplingRequest):
@@ -160,14 +171,13 @@ class CompletionRequest(SamplingRequest):
         return self
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (batched prompts are refused: use one request per prompt)."""
+        """The one prompt of this request (batched prompts are refused: use one request per prompt). An empty one is
+        refused with the rest of the prompt checks (``validation.check_request``)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise ApiError(400, "only a single prompt per request is supported", param="prompt")
             p = p[0]
-        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
-            raise ApiError(400, "prompt must not be empty", param="prompt")
         return p
 
 

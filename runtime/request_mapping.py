@@ -35,7 +35,8 @@ class EngineInput:
     """One request as ``AsyncEngine.add`` takes it (the rest comes verbatim from the request body)."""
 
     prompt_ids: list[int]
-    params: SamplingParams   # max_tokens resolved: the rest of the context when the client gave none
+    params: SamplingParams   # as the client asked: an open-ended request (max_tokens None) stays open-ended
+    max_tokens: int          # the effective limit ``check_request`` found (the rest of the context when open-ended)
     lora_name: str | None = None   # the LoRA adapter ``model`` selects (None: the base model)
 
 
@@ -87,18 +88,17 @@ async def chat_input(state: ServerState, req: ChatCompletionRequest) -> EngineIn
 
 
 def checked(state: ServerState, req: SamplingRequest, prompt_ids: list[int]) -> EngineInput:
-    """Prompt ids after ``truncate_prompt_tokens`` and sampling params with the effective ``max_tokens``, checked by
-    ``validation.check_request`` as the engine will check them (a 400 naming the request's field)."""
+    """Prompt ids after ``truncate_prompt_tokens`` and the request's sampling params, checked by
+    ``validation.check_request`` exactly as the engine will check them (a 400 naming the request's field). The params
+    go to the engine unchanged: making an open-ended ``max_tokens`` explicit would turn "stop when the KV pool is
+    full" into "refuse unless the whole context fits the pool"."""
     if req.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
-    params = req.sampling_params(req.token_limit())
     try:
-        max_tokens = check_request(prompt_ids, params, state.engine.limits, priority=req.priority)
+        max_tokens = check_request(prompt_ids, req.params, state.engine.limits, priority=req.priority)
     except InvalidParam as e:
         raise req.api_error(e) from None
-    if params.max_tokens != max_tokens:
-        params = replace(params, max_tokens=max_tokens)
-    return EngineInput(prompt_ids, params)
+    return EngineInput(prompt_ids, req.params, max_tokens)
 
 
 async def with_structured_output(state: ServerState, req: SamplingRequest, inp: EngineInput) -> EngineInput:
@@ -122,11 +122,13 @@ async def with_structured_output(state: ServerState, req: SamplingRequest, inp: 
 
 def request_ids(request: Request, state: ServerState, body_id: str | None) -> tuple[str, str]:
     """(client-visible id, engine id): the engine id gets a suffix if a client reuses an id still in flight."""
-    base = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-    try:
-        check_request_id(base)   # the body's id was checked by parse; a header's is echoed back in one
-    except InvalidParam as e:
-        raise ApiError(400, f"X-Request-Id header: {e}", param="request_id") from None
+    header = request.headers.get("x-request-id")
+    if body_id is None and header:   # (the body's id was checked by parse; an empty header is ignored)
+        try:
+            check_request_id(header)   # it is echoed back in a response header
+        except InvalidParam as e:
+            raise ApiError(400, f"X-Request-Id header: {e}", param="request_id") from None
+    base = body_id or header or uuid.uuid4().hex
     rid = base
     while state.async_engine.is_inflight(rid):
         rid = f"{base}-{uuid.uuid4().hex[:8]}"

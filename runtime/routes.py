@@ -10,7 +10,9 @@ request's stream until finished (streaming), emitting deltas of the engine's cum
 client that goes away aborts its request (the engine frees its blocks). ``drain`` (SIGTERM, runtime/drain.py)
 answers 503 to new requests and lets in-flight ones finish within the grace period.
 
-New endpoints are added in ``build_app`` with ``dependencies=guarded`` unless they must stay open (probes).
+New endpoints are added in ``build_app`` (or in a module of their own that ``build_app`` calls with the app) with
+``dependencies=[Depends(guard)]`` unless they must stay open (probes); each finds the shared ``ServerState`` as
+``request.app.state.pdserve``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -73,22 +76,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
     app.state.pdserve = state
     install_error_handlers(app)
 
-    def guard(request: Request) -> None:
-        """API key and drain checks for the inference endpoints."""
-        key = options.api_key
-        if key:
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
-        if state.draining:
-            metrics.rejected("draining")
-            raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
-                                                                    drain_mod.DRAIN_HEADER: "1"})
-        if state.async_engine.dead is not None:
-            raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
-
-    guarded = [Depends(guard)]
+    guarded = [Depends(guard)]   # every endpoint but the probes
 
     @app.get("/health")
     async def health() -> Response:
@@ -108,10 +96,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
-            "root": engine.config.model.model or engine.served_model_name, "parent": None,
-            "max_model_len": engine.max_model_len}, *lora_routes.model_cards(engine, state.created)]}
+        return {"object": "list", "data": model_cards(state)}
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -145,6 +130,31 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
     return app
 
 
+def guard(request: Request) -> None:
+    """API key and drain checks for the inference endpoints (a FastAPI dependency)."""
+    state: ServerState = request.app.state.pdserve
+    key = state.options.api_key
+    if key:
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+    if state.draining:
+        state.metrics.rejected("draining")
+        raise ApiError(503, "server is shutting down", headers={"Retry-After": RETRY_AFTER_S,
+                                                                drain_mod.DRAIN_HEADER: "1"})
+    if state.async_engine.dead is not None:
+        raise ApiError(503, "engine is not running", headers={"Retry-After": RETRY_AFTER_S})
+
+
+def model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The ``/v1/models`` entries: the served model, then the models served beside it (LoRA adapters)."""
+    engine = state.engine
+    return [{"id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
+             "root": engine.config.model.model or engine.served_model_name, "parent": None,
+             "max_model_len": engine.max_model_len}, *lora_routes.model_cards(engine, state.created)]
+
+
 async def _serve(request: Request, state: ServerState, builder: ResponseBuilder, kind: str, req: SamplingRequest,
                  inp: mapping.EngineInput) -> Response:
     ae, metrics = state.async_engine, state.metrics
@@ -169,7 +179,8 @@ async def _serve(request: Request, state: ServerState, builder: ResponseBuilder,
     except EngineDeadError as e:
         raise ApiError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
     resp_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
-    trace = tracing.request_trace(request.headers, state.options.role, state.engine, base_id, inp.params,
+    traced = replace(inp.params, max_tokens=inp.max_tokens) if inp.params.max_tokens is None else inp.params
+    trace = tracing.request_trace(request.headers, state.options.role, state.engine, base_id, traced,
                                   req.kv_transfer_params)   # None while tracing is off
     timer = RequestTimer(metrics, arrival, trace)
     headers = {"X-Request-Id": base_id}

@@ -187,13 +187,21 @@ async def _send(send, status: int, body: bytes, ctype: bytes = b"application/jso
     await send({"type": "http.response.body", "body": body})
 
 
+def uvicorn_config(app, host: str, port: int, log_level: str = "warning", **kw):
+    """uvicorn on uvloop + httptools when installed, as a production ASGI pod would run."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=http, lifespan="on", access_log=False,
+                          log_level=log_level, timeout_keep_alive=75, **kw)
+
+
 class ServerThread:
     """Run an ASGI app on 127.0.0.1 in a background thread: under uvicorn (uvloop + httptools), or with
     ``router=True`` under the router's own HTTP server (``pdserve.router.http_server``)."""
 
     def __init__(self, app, port: int = 0, host: str = "127.0.0.1", router: bool = False):
-        from pdserve.router.cli import uvicorn_config
-
         import socket
 
         if port == 0:
@@ -271,8 +279,6 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="fake")
     a = ap.parse_args()
-    from pdserve.router.cli import uvicorn_config
-
     app = FakePod(FakeState(name=a.name, record=False))
     uvicorn.Server(uvicorn_config(app, a.host, a.port, "error")).run()
 

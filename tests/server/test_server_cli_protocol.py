@@ -70,6 +70,14 @@ def test_bad_flag_values_exit_2():
         assert e.value.code == 2
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_waiting_must_be_positive(value):   # 0 or less would refuse every request with 503
+    argv = ["serve", "--max-waiting", value]
+    with pytest.raises(SystemExit) as e:
+        build_parser(argv).parse_args(argv)
+    assert e.value.code == 2
+
+
 @pytest.mark.parametrize("model,body,param", [
     (CompletionRequest, {"prompt": "x", "top_p": 0}, "top_p"),
     (CompletionRequest, {"prompt": "x", "stop": [""]}, "stop"),
