@@ -210,9 +210,8 @@ class AsyncEngine:
                 self.metrics.kv_event_batches.inc()
         if self.metrics is not None:
             self.metrics.set_engine_stats(self.engine.get_stats())
-            connector = getattr(self.engine, "connector", None)
-            if connector is not None:
-                self.metrics.set_connector_metrics(connector.metrics(), getattr(connector, "name", None))
+            if self.engine.connector_name is not None:
+                self.metrics.set_connector_metrics(self.engine.connector_metrics(), self.engine.connector_name)
             if batch_size:
                 self.metrics.observe_step(batch_size)
 

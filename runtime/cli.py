@@ -147,7 +147,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        policy=args.scheduling_policy, max_waiting=args.max_waiting, kv_connector=args.kv_connector,
+        policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
         kv_load_failure_policy=args.kv_load_failure_policy)
 

@@ -21,9 +21,7 @@ FINGERPRINT_HEADER = "x-pdserve-kv-fingerprint"
 
 def busy(engine: Any, async_engine: Any) -> int:
     """Requests in flight plus finished requests whose blocks are still held for a remote reader."""
-    scheduler = getattr(engine, "scheduler", None)
-    sending = len(getattr(scheduler, "sending", ()) or ())  # len() of a dict is atomic: the engine thread mutates it
-    return async_engine.num_inflight + sending
+    return async_engine.num_inflight + engine.num_held_for_transfer()   # safe from this thread (an atomic len())
 
 
 def fingerprint(engine: Any) -> str | None:

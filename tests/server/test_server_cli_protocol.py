@@ -56,7 +56,7 @@ def test_flags_reach_the_engine_config():
     cfg = EngineConfig.from_options(**engine_options(args))
     assert cfg.cache.block_size == 32 and cfg.cache.kv_cache_memory_bytes == 2**30
     assert not cfg.cache.enable_prefix_caching
-    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.policy == "priority" and cfg.scheduler.max_waiting == 5
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.policy == "priority" and args.max_waiting == 5
     assert cfg.kv_transfer.connector == "redis" and cfg.kv_transfer.role == "prefill"
     assert cfg.kv_transfer.config == {"url": "redis://127.0.0.1:1"} and cfg.kv_transfer.load_failure_policy == "fail"
     assert cfg.model.max_model_len == 256 and cfg.model.served_model_name == "m"
