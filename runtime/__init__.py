@@ -5,7 +5,7 @@ block hashing (``block_hash``) -> block pool (``block_pool``) -> kv cache manage
 scheduler (``scheduler``, + kv transfer tracker ``kv_transfer_tracker``, stop checker ``stop_checker``) -> seam types
 (``sched_output``) -> model runner (``model_runner``, + persistent batch ``input_batch``, ``models/``) -> sampler
 (``sampler``) -> detokenizer (``detokenizer``) -> engine (``engine``) -> async engine (``async_engine``) -> server
-(``server``) -> CLI (``cli``).
+(``routes``, ``request_mapping``, ``streaming``, ``api_server``) -> CLI (``cli``).
 
 Exports are lazy so that torch-free modules (``pdserve.runtime.block_hash``) import without torch.
 """

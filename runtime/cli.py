@@ -10,10 +10,13 @@ import json
 import logging
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve import tracing
 from pdserve.runtime import envs
+
+if TYPE_CHECKING:
+    from pdserve.runtime.server_state import ServerOptions
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -117,6 +120,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order: arrival, or the request's 'priority' (lower first) then arrival")
 
+    _add_lora_flags(p.add_argument_group("LoRA adapters"))
+
     k = p.add_argument_group("KV transfer (disaggregation) and KV events")
     k.add_argument("--kv-connector", choices=["nixl", "redis", "disk"], default=None,
                    help="connector moving KV between prefill and decode pods")
@@ -138,18 +143,70 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+# ---- flags -------------------------------------------------------------------------------------------------------------
+def _lora_module(text: str) -> dict[str, str | None]:
+    """``name=path`` or a JSON object ``{"name", "path", "base_model_name"?}`` (argparse type)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not valid JSON: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError('--lora-modules JSON needs string "name" and "path"')
+        return {"name": value["name"], "path": value["path"], "base_model_name": value.get("base_model_name")}
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path or JSON, got {text!r}")
+    return {"name": name, "path": path, "base_model_name": None}
+
+
+def _add_lora_flags(group: Any) -> None:
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (batched multi-LoRA)")
+    group.add_argument("--max-loras", type=_positive, default=None,
+                       help="adapters resident on the device at once; one step batches at most this many (default 1)")
+    group.add_argument("--max-lora-rank", type=_positive, default=None, help="largest adapter rank accepted (default 64)")
+    group.add_argument("--max-cpu-loras", type=_positive, default=None,
+                       help="adapters kept loaded in CPU memory, LRU (default: --max-loras)")
+    group.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None,
+                       help='adapters to serve: name=path, or JSON {"name", "path", "base_model_name"}')
+
+
+def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
+    enable = bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None))
+    if not enable:
+        return {}
+    from pdserve.runtime.config import LoRAModule
+
+    return dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras,
+                lora_modules=tuple(LoRAModule(**m) for m in args.lora_modules or ()))
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flat options for ``EngineConfig.from_options`` (None values fall back to the config defaults)."""
     return dict(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-        quantization=getattr(args, "quantization", None),
+        quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed, device=args.device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
-        kv_load_failure_policy=args.kv_load_failure_policy)
+        kv_load_failure_policy=args.kv_load_failure_policy, **_lora_options(args))
+
+
+def server_options(args: argparse.Namespace) -> "ServerOptions":
+    """The server's options (everything that is not the engine's); the API key falls back to PDSERVE_API_KEY."""
+    from pdserve.runtime.server_state import KVEventsOptions, ServerOptions
+
+    kv_events = None
+    if args.kv_events_port:
+        kv_events = KVEventsOptions(port=args.kv_events_port, host=args.kv_events_host,
+                                    replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
+    return ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role,
+                         host=args.host, port=args.port, shutdown_grace_period=args.shutdown_grace_period,
+                         log_level=args.log_level, kv_events=kv_events)
 
 
 def check_kv_secret(args: argparse.Namespace) -> str | None:
@@ -180,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2
-    from pdserve.runtime.server import run_server
+    from pdserve.runtime.api_server import run_server
+    from pdserve.runtime.config import EngineConfig
 
     tracing.configure(args.otlp_traces_endpoint, f"pdserve-{args.role}")
-    return run_server(args)
+    return run_server(EngineConfig.from_options(**engine_options(args)), server_options(args))

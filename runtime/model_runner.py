@@ -10,6 +10,7 @@ arrive in the ``SchedulerOutput`` diffs and live in its ``InputBatch``.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         self.batch = InputBatch(device)
         self.sampler = Sampler(device, seed)
+        self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
@@ -112,8 +114,11 @@ class ModelRunner:
         if not req_ids:
             return None
         input_ids, positions, meta = self.build_metadata(req_ids, out.num_scheduled_tokens)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
         states = self.batch.requests
+        lora = nullcontext() if self.lora is None else self.lora.step_context(
+            [states[r].lora_id for r in req_ids], meta.query_lens_cpu, self.device)
+        with lora:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)                   # (T, hidden)
         rows = [i for i, r in enumerate(req_ids)
                 if states[r].num_computed_tokens + out.num_scheduled_tokens[r] >= len(states[r].token_ids)]
         if not rows:

@@ -181,7 +181,7 @@ def handoff(producer, reference):
     params = out.kv_transfer_params
     assert params["do_remote_prefill"] and params["remote_request_id"] == "p1"
     assert producer.scheduler.kv.get_block_ids("p1") == params["remote_block_ids"]   # held (delay_free)
-    assert producer.num_held_for_transfer() == 1 and producer.has_pending_kv_transfers()   # what drain waits for
+    assert producer.has_pending_kv_transfers() and producer.has_unfinished_requests()   # what drain waits for
     return params
 
 
@@ -214,7 +214,7 @@ def test_sync_load_then_producer_frees(consumer, fresh, producer, reference, han
     assert producer.get_stats().kv_cache_usage > 0 and producer.has_unfinished_requests()
     producer.step()                                                               # polls get_finished(): sent
     assert producer.get_stats().kv_cache_usage == 0 and "p1" not in producer.scheduler.kv_transfers.sending
-    assert producer.num_held_for_transfer() == 0
+    assert not producer.has_pending_kv_transfers()
 
 
 @pytest.mark.parametrize("async_polls", [0, 2])
