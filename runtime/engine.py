@@ -318,7 +318,7 @@ class LLMEngine:
             self.lora.release(req.lora)
         self._detok.pop(request_id, None)
 
-    # ---- introspection (what the server, metrics and drain read; nothing reaches through the engine) -----------------
+    # ---- introspection (what the server and metrics read; nothing reaches through the engine) ----------------------
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage(),
