@@ -13,7 +13,8 @@ disk       one file per block under a (shared) directory, atomic writes, size-ca
            config: path (required), max_bytes
 all        token (else PDSERVE_KV_TOKEN: the deployment's KV secret, required unless insecure), insecure,
            async_load (true), load_timeout_s, load_threads; redis/disk also save, load, retry_after_s,
-           handoff_timeout_s, engine_id, params_ttl_s, max_pending_save_bytes, fetch_chunk, read_threads
+           handoff_timeout_s, lookup_timeout_s, engine_id, params_ttl_s, max_pending_save_bytes, fetch_chunk,
+           read_threads
 =========  ==========================================================================================================
 
 Layout: ``kv_auth`` (the secret: signed kv_transfer_params, handoff headers), ``block_codec`` (the on-wire/on-disk block record), ``load_errors`` (typed failures + counters), ``loading``

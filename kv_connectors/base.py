@@ -11,11 +11,12 @@ both in one process, so one object implements both halves; the engine calls them
                   is_async -> the request waits (WAITING_FOR_REMOTE_KVS) until get_finished() reports it received
                   at the end of scheduling
                     meta = build_connector_meta()
-    execute():    start_load_kv(meta) before the forward pass (loads for synchronous requests finish inside it);
-                  save_kv(meta) after the forward pass (blocks completed this step, for connectors that store them)
+    load:         start_load_kv(meta) before the forward pass (loads for synchronous requests finish inside it)
+    save:         save_kv(meta) after the forward pass
     update():     sending, recving = get_finished()
                   bad = get_block_ids_with_load_errors()  -> the scheduler cuts each affected request back to its first
                   bad block (recompute) or fails it (policy "fail"); bad blocks never enter the prefix cache
+                  then, for each request that ran: request_scheduled_for_save(req, block_ids, num_computed_tokens)
     finish:       delay_free, params = request_finished(req, block_ids)
                   delay_free -> blocks stay allocated until get_finished() lists the request in `sending`
                   params     -> returned to the client as `kv_transfer_params` (the P/D handoff, anchors.md §1)
@@ -78,7 +79,6 @@ class KVConnectorMetadata:
     """What the scheduler decided this step; built by the scheduler half, consumed by the worker half."""
 
     loads: dict[str, list[tuple[int, int]]] = field(default_factory=dict)   # request_id -> [(block_index, block_id)]
-    saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)   # request_id -> [(block_index, block_id)]
 
 
 class KVConnectorBase(ABC):
@@ -121,7 +121,8 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def save_kv(self, meta: KVConnectorMetadata) -> None:
-        """Store the blocks in ``meta.saves`` (their KV is final once the step's forward pass returned)."""
+        """Called after the step's forward pass (the KV of the blocks computed in it is final). Which blocks to store
+        was announced by ``request_scheduled_for_save`` / ``request_finished``; pdserve's connectors write there."""
 
     @abstractmethod
     def get_finished(self) -> tuple[set[str], set[str]]:

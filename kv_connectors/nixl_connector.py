@@ -48,6 +48,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,10 +187,14 @@ class NixlConnector(LoadingConnector):
         """Checksums of blocks ``ids``: those hashed in the background as they completed, the rest now."""
         _, chunks = self._hashing.pop(request_id, (0, []))
         out: list[int] = []
+        deadline = time.monotonic() + self.handshake_timeout_s
         for chunk_ids, fut in chunks:
             if ids[len(out):len(out) + len(chunk_ids)] != chunk_ids:
                 break
-            out += fut.result()
+            try:   # a stalled hashing pool must not hold the engine thread: hash the rest here instead
+                out += fut.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                break
         return out + block_checksums(self.kv_cache, ids[len(out):], self.checksum_algo)
 
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -313,7 +318,11 @@ class NixlConnector(LoadingConnector):
         if covered != len(local):   # a _read that reported no chunks (tests wrap it): verify everything now
             checks = [(0, len(local), block_codec.hash_pool().submit(block_checksums, self.kv_cache, local, algo))]
         for start, end, fut in checks:
-            for (i, b, _), got in zip(job.blocks[start:end], fut.result()):
+            try:
+                sums_got = fut.result(self.load_timeout_s)
+            except FutureTimeout:
+                raise LoadTimeout(f"checksums of {end - start} blocks not done in time") from None
+            for (i, b, _), got in zip(job.blocks[start:end], sums_got):
                 if f"{got:x}" != sums[i]:
                     errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
         return errors

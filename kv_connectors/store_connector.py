@@ -9,6 +9,10 @@ models or dtypes sharing one store never see each other's blocks) as :mod:`block
   wait time out, keeps the blocks allocated (delay_free) until the writer is done with them).
   A prefill request with ``do_remote_decode`` is written synchronously before its ``kv_transfer_params`` are returned,
   so the decode side finds every block. A store that fails is skipped for ``retry_after_s`` (counted, never fatal).
+* The engine thread never waits on the store unbounded: its store calls (the admission lookup, a handoff's presence
+  check and write) run on an I/O thread and are waited for at most ``lookup_timeout_s`` / ``handoff_timeout_s`` (one
+  deadline for the whole handoff, queued-writes flush included), so a hung disk or an unanswered socket is a store
+  failure, not a stalled engine.
 * Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
   by parallel threads; a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
   request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
@@ -23,7 +27,8 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -69,7 +74,8 @@ class StoreConnector(LoadingConnector):
     """Config (besides the store's own): ``save`` (default true), ``load`` (default true), ``retry_after_s`` (5),
     ``fetch_chunk`` (32: records per round trip, the next chunk fetched while one is verified), ``read_threads`` (4:
     parallel block reads of stores with single-copy reads, i.e. disk),
-    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff), ``params_ttl_s`` (120, how long signed
+    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff), ``lookup_timeout_s`` (2, the admission
+    lookup), ``params_ttl_s`` (120, how long signed
     handoff params stay valid), ``max_pending_save_bytes`` (256 MiB: block snapshots queued for the background writer
     beyond this are skipped and counted as ``kv_saves_skipped``, so a slow store cannot grow memory without bound)."""
 
@@ -80,6 +86,7 @@ class StoreConnector(LoadingConnector):
         self.load_enabled = bool(config.get("load", True))
         self.retry_after_s = float(config.get("retry_after_s", 5.0))
         self.handoff_timeout_s = float(config.get("handoff_timeout_s", 30.0))
+        self.lookup_timeout_s = float(config.get("lookup_timeout_s", 2.0))
         self.engine_id = str(config.get("engine_id") or uuid.uuid4())
         self._saved_upto: dict[str, int] = {}
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes this process saved recently
@@ -95,6 +102,7 @@ class StoreConnector(LoadingConnector):
         self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
         self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
+        self._io = ThreadPoolExecutor(2, thread_name_prefix=f"pdserve-{self.name}-io")   # the engine thread's calls
         self._readers = ThreadPoolExecutor(max(1, int(config.get("read_threads", 4))),
                                            thread_name_prefix=f"pdserve-{self.name}-read")
 
@@ -115,7 +123,7 @@ class StoreConnector(LoadingConnector):
         if time.monotonic() < self._store_down_until:
             return 0
         try:
-            found = self.store.contains_many(hashes[start:])
+            found = self._bounded(self._io.submit(self.store.contains_many, hashes[start:]), self.lookup_timeout_s)
         except KVLoadError as e:
             self._mark_down(e, "lookup")
             return 0
@@ -130,6 +138,8 @@ class StoreConnector(LoadingConnector):
             # Blocks read in parallel (``read_threads``), each into its thread's staging buffer (no lock held during
             # IO, so a stuck disk cannot stall the engine and the watchdog can always cancel), verified, then copied
             # into the cache under the lock.
+            # A read stuck on the disk is bounded by the load watchdog (LoadingConnector.get_finished), which cancels
+            # the job so that its late writes are dropped.
             for block_id, e in self._readers.map(lambda blk: self._read_direct(job, blk[1], blk[2]), job.blocks):
                 if e is not None:
                     errors[block_id] = e
@@ -140,7 +150,7 @@ class StoreConnector(LoadingConnector):
         ahead = self._fetcher.submit(self.store.get_many, [h for _, _, h in chunks[0]])
         for k, chunk in enumerate(chunks):
             try:
-                records = ahead.result()
+                records = self._bounded(ahead, self.load_timeout_s)
             except KVLoadError as e:   # the store failed mid-transfer: the verified prefix stays, the rest fails
                 errors.update({b: e for rest in chunks[k:] for _, b, _ in rest})
                 break
@@ -200,12 +210,13 @@ class StoreConnector(LoadingConnector):
         handoff = bool(params.get("do_remote_decode"))
         n = min(len(request.block_hashes), len(block_ids))
         if handoff:  # the decode side must find every block: let queued writes land, then write what is missing
+            deadline = time.monotonic() + self.handoff_timeout_s
             try:
                 self.flush(self.handoff_timeout_s)
             except Exception as e:  # a stuck writer: the decode side then reports missing blocks and recovers
                 logger.warning("%s: queued saves not done for %s: %r", self.name, request.request_id, e)
             self._saved_upto.pop(request.request_id, None)
-            self._save_range(request, block_ids, n, sync=True, force=True)
+            self._save_range(request, block_ids, n, sync=True, force=True, deadline=deadline)
         else:
             self._save_range(request, block_ids, n, sync=False)
         self._saved_upto.pop(request.request_id, None)
@@ -224,7 +235,14 @@ class StoreConnector(LoadingConnector):
         }, self.secret, self.params_ttl_s)
 
     def _save_range(self, request: ConnectorRequest, block_ids: list[int], upto: int, *, sync: bool,
-                    force: bool = False) -> None:
+                    force: bool = False, deadline: float | None = None) -> None:
+        """Save blocks ``[saved so far, upto)``: queued for the writer, or (``sync``) written before returning, waited
+        for until ``deadline`` at most (a write still reading live blocks then keeps them: see ``_live_write``)."""
+        end = time.monotonic() + self.handoff_timeout_s if deadline is None else deadline
+
+        def left() -> float:
+            return max(0.0, end - time.monotonic())
+
         start = self._saved_upto.get(request.request_id, 0)
         self._saved_upto[request.request_id] = max(start, upto)
         if not self.save_enabled or upto <= start or self.kv_cache is None:
@@ -234,7 +252,7 @@ class StoreConnector(LoadingConnector):
             todo = [(hashes[i], block_ids[i]) for i in range(start, upto) if force or hashes[i] not in self._known]
         if force and todo:
             try:
-                present = self.store.contains_many([h for h, _ in todo])
+                present = self._bounded(self._io.submit(self.store.contains_many, [h for h, _ in todo]), left())
                 todo = [t for t, p in zip(todo, present) if not p]
             except KVLoadError as e:
                 self._mark_down(e, "save")
@@ -245,15 +263,16 @@ class StoreConnector(LoadingConnector):
             self.stats.add("kv_saves_skipped", len(todo))
             return
         if self.kv_cache.device.type == "cpu" and (sync or (request.kv_transfer_params or {}).get("do_remote_decode")):
-            # Written before the blocks can be freed, so the live blocks will do (no snapshot copy): a sync write
-            # returns first, and a handoff's request_finished waits for its queued writes (flush) before returning.
+            # Written before the blocks can be freed, so the live blocks will do (no snapshot copy): a sync write is
+            # waited for, a handoff's request_finished waits for its queued writes (flush), both bounded; a write
+            # still reading the live blocks after that keeps them allocated (``_live_writes``, delay_free).
             live = [self.kv_cache[b] for _, b in todo]
+            with self._known_lock:
+                self._live_writes[request.request_id] = self._live_writes.get(request.request_id, 0) + 1
+            fut = (self._io if sync else self._writer).submit(self._live_write, request.request_id,
+                                                              [h for h, _ in todo], live)
             if sync:
-                self._write(request.request_id, [h for h, _ in todo], live)
-            else:
-                with self._known_lock:
-                    self._live_writes[request.request_id] = self._live_writes.get(request.request_id, 0) + 1
-                self._writer.submit(self._live_write, request.request_id, [h for h, _ in todo], live)
+                self._wait_write(fut, left(), request.request_id, len(todo))
             return
         nbytes = len(todo) * self.spec.block_bytes
         if not sync:
@@ -268,9 +287,26 @@ class StoreConnector(LoadingConnector):
         # One gather copy: the snapshot stays valid even if the engine reuses the blocks before the write.
         snap = self.kv_cache[torch.tensor([b for _, b in todo])].cpu()
         if sync:
-            self._write(request.request_id, [h for h, _ in todo], list(snap))
+            self._wait_write(self._io.submit(self._write, request.request_id, [h for h, _ in todo], list(snap)),
+                             left(), request.request_id, len(todo))
         else:
             self._writer.submit(self._queued_write, nbytes, request.request_id, [h for h, _ in todo], list(snap))
+
+    @staticmethod
+    def _bounded(fut: Future, timeout: float) -> Any:
+        """The result of a store call running on the I/O thread, waited for at most ``timeout`` (then LoadTimeout:
+        the call goes on in the background, its result unused)."""
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise LoadTimeout(f"store call did not return within {timeout:.1f}s") from None
+
+    def _wait_write(self, fut: Future, timeout: float, request_id: str, num_blocks: int) -> None:
+        try:
+            self._bounded(fut, timeout)
+        except LoadTimeout as e:   # the decode side then reports missing blocks and recomputes them
+            self.stats.add("kv_saves_skipped", num_blocks)
+            self._mark_down(e, f"save of request {request_id}")
 
     def _live_write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
         try:
@@ -326,8 +362,13 @@ class StoreConnector(LoadingConnector):
         self._writer.submit(lambda: None).result(timeout)
 
     def shutdown(self) -> None:
-        self._writer.shutdown(wait=True)
+        try:   # let queued saves land, but a hung store must not hang the shutdown
+            self.flush(self.handoff_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s: queued saves not written at shutdown: %r", self.name, e)
+        self._writer.shutdown(wait=False)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
         self._readers.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
         self.store.close()

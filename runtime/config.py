@@ -21,9 +21,14 @@ class ModelConfig:
     max_model_len: int | None = None  # None -> the model's max_position_embeddings
     served_model_name: str | None = None
     revision: str | None = None
-    trust_remote_code: bool = False   # never needed for the Llama family; kept False by default for safety
-    seed: int = 0
+    trust_remote_code: bool = False   # refused: pdserve runs only its own model code (vLLM's flag name, for clarity)
+    seed: int | None = 0              # the engine's generator for unseeded sampling (None: torch's global RNG)
     quantization: str = "auto"        # auto | none | int8 | int4: weights kept quantized (runtime/quantization.py)
+
+    def __post_init__(self) -> None:
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code is not supported: pdserve runs only its own model implementations "
+                             "(pdserve.runtime.models), never code shipped with a checkpoint")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048     # token budget of one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
-    max_waiting: int | None = None         # queue bound; the server answers 503 beyond it
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class LLMEngine:
         num_blocks = determine_num_blocks(config, kv_block_bytes(m.num_layers, block_size, m.num_kv_heads,
                                                                  m.head_dim, self.dtype), self.max_model_len,
                                           self.device)
-        self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device, config.model.seed)
         self.lora = None
         if config.lora.enable_lora:
             from pdserve.runtime.lora_manager import LoRAManager
@@ -99,9 +99,11 @@ class LLMEngine:
         if kvt.connector:
             self.connector = create_connector(kvt.connector, kvt.role, dict(kvt.config), self.kv_cache_spec)
             self.connector.register_kv_caches(self.runner.kv_cache)
+        self._detok: dict[str, IncrementalDetokenizer] = {}   # per unfinished request: its text and stop strings
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    kvt.load_failure_policy,
-                                   config.lora.max_loras if config.lora.enable_lora else None)
+                                   config.lora.max_loras if config.lora.enable_lora else None,
+                                   detokenizers=self._detok)
         sched = config.scheduler
         self.limits = RequestLimits(vocab_size=int(self.hf_config.vocab_size), max_model_len=self.max_model_len,
                                     block_size=block_size, num_blocks=num_blocks,
@@ -118,7 +120,6 @@ class LLMEngine:
             backend=so.backend, cache_size=so.grammar_cache_size, compile_timeout_s=so.grammar_compile_timeout_s)
         self._waiting_grammar: list[Request] = []   # structured-output requests whose grammar is still compiling
         self._requests: dict[str, Request] = {}          # unfinished engine requests (children included)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._parents: dict[str, _Parent] = {}          # client id -> fan-out state (n > 1 only)
         self._child_of: dict[str, tuple[str, int]] = {}
         log.info("engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.1f MiB)", self.served_model_name,
@@ -255,7 +256,8 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             if _is_device_fault(e) or not sched_out.num_scheduled_tokens:
                 raise
-            log.exception("step over %d sequences failed; retrying them one by one", len(sched_out.num_scheduled_tokens))
+            log.exception("step over %d sequences failed; retrying them one by one",
+                          len(sched_out.num_scheduled_tokens))
         out = ModelRunnerOutput()
         for rid in sched_out.num_scheduled_tokens:
             try:
@@ -342,19 +344,8 @@ class LLMEngine:
                                                        finish_reason="error", stop_reason=None))
 
     def _postprocess(self, req: Request) -> RequestOutput | None:
+        """The request's cumulative output (its stops were decided by the scheduler's stop checker)."""
         detok = self._detok[req.request_id]
-        if req.status != RequestStatus.FINISHED_ERROR:
-            new = req.output_token_ids[len(detok.token_ids):]
-            # A stop token id (not EOS) stays in token_ids but its text is dropped unless asked for.
-            if isinstance(req.stop_reason, int) and not req.sampling_params.include_stop_str_in_output and new:
-                new = new[:-1]
-            stop = detok.update(new) if new else None
-            if req.is_finished and stop is None:
-                stop = detok.flush()
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
-            elif stop is not None:
-                req.stop_reason = stop
         completion = CompletionOutput(
             index=0, text=detok.output_text(req.is_finished), token_ids=list(req.output_token_ids),
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
@@ -396,7 +387,7 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         self.structured.remove(request_id)
 
-    # ---- introspection -----------------------------------------------------------------------------------------------
+    # ---- introspection (what the server and metrics read; nothing reaches through the engine) ----------------------
     def get_stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage(),
@@ -409,10 +400,14 @@ class LLMEngine:
 
     def take_kv_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call, oldest first."""
-        return self.scheduler.kv.pool.take_events()
+        return self.scheduler.take_kv_events()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks a KV transfer still holds."""
+        return self.scheduler.has_pending_kv_transfers()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` under the model's chat template. ValueError if the model has none."""

@@ -60,7 +60,7 @@ def determine_num_blocks(config: EngineConfig, block_bytes: int, max_model_len: 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, seed: int | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -69,7 +69,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
                                     dtype=dtype, device=device)
         self.batch = InputBatch(device)
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, seed)
         self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
 
     def update_states(self, out: SchedulerOutput) -> None:

@@ -2,8 +2,10 @@
 
 Order (vLLM/HF): grammar bitmask, penalties and min_tokens masking on the raw logits -> greedy rows take the argmax ->
 temperature -> top-k -> top-p -> min-p -> a random draw (exponential race, so a seeded row uses only its own
-generator). Logprobs are reported from the raw model distribution (log_softmax of the unprocessed logits), as vLLM
-does. The sampler sees only ``SamplingMetadata`` (built by the runner's persistent batch), never a scheduler request.
+generator; an unseeded row draws from the engine's generator, seeded once from ``--seed``, so a run's unseeded
+sampling is reproducible given the same requests in the same order, as in vLLM). Logprobs are reported from the
+raw model distribution (log_softmax of the unprocessed logits), as vLLM does. The sampler sees only
+``SamplingMetadata`` (built by the runner's persistent batch), never a scheduler request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class SamplingMetadata:
 
     req_ids: list[str]
     params: list[SamplingParams]            # temperature, top-k/p, min-p, penalties, logprobs count per row
-    generators: list[torch.Generator | None]  # the row's seeded generator (persists across steps), None: global RNG
+    generators: list[torch.Generator | None]  # the row's seeded generator (persists across steps), None: the engine's
     all_token_ids: list[list[int]]          # prompt + output (repetition penalty)
     output_token_ids: list[list[int]]       # output only (presence / frequency penalties)
     banned_token_ids: list[list[int]]       # EOS and stop ids while below min_tokens
@@ -38,8 +40,10 @@ class SamplingMetadata:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.device = device
+        # The engine-level generator of unseeded rows (None: torch's global one).
+        self.generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """logits: (N, vocab) float32, row i belongs to meta.req_ids[i]. Returns one sampled token per row."""
@@ -67,10 +71,8 @@ class Sampler:
             probs = sub.softmax(dim=-1)
             q = torch.empty_like(probs)
             for j, i in enumerate(rows):
-                if meta.generators[i] is not None:
-                    q[j].exponential_(generator=meta.generators[i])
-                else:
-                    q[j].exponential_()
+                g = meta.generators[i]
+                q[j].exponential_(generator=g if g is not None else self.generator)
             token_ids[rows] = (probs / q).argmax(dim=-1)
 
         ids = token_ids.tolist()

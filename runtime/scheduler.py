@@ -6,10 +6,10 @@ waiting ones (prefix-cache hits and KV-connector tokens count as already compute
 When the pool runs dry, the lowest-priority / latest-arrived running request is preempted by recompute: its blocks are
 freed, its counter reset to 0, and it goes back to the front of the queue (its cached blocks usually make the redo cheap).
 
-KV connector hooks follow pdserve.kv_connectors.base exactly. A failed load cuts the request back to the start of its
-first invalid block (policy ``recompute``) or finishes it with an error (policy ``fail``); since blocks are published to
-the prefix cache only after their KV is verified, an invalid block never has a second owner and is recomputed once.
-The scheduler never touches tensors.
+KV connector hooks follow pdserve.kv_connectors.base exactly; the transfer bookkeeping (async loads, blocks held for a
+remote reader, recovery from failed loads) is the ``KVTransferTracker``'s. Whether a request stops after a token is
+the ``StopChecker``'s decision. Each step's ``SchedulerOutput`` sends a request to the model runner whole the first
+time and as a diff afterwards (pdserve.runtime.sched_output). The scheduler never touches tensors.
 """
 
 from __future__ import annotations
@@ -17,17 +17,24 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from collections.abc import Mapping
+
 from pdserve.kv_connectors.base import KVConnectorBase
 from pdserve.runtime.config import CacheConfig, SchedulerConfig
+from pdserve.runtime.detokenizer import IncrementalDetokenizer
 from pdserve.runtime.kv_cache_manager import KVCacheManager
+from pdserve.runtime.kv_events import KVEvent
+from pdserve.runtime.kv_transfer_tracker import KVTransferTracker
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pdserve.runtime.stop_checker import StopChecker
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
                  connector: KVConnectorBase | None = None, load_failure_policy: str = "recompute",
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None,
+                 detokenizers: Mapping[str, IncrementalDetokenizer] | None = None) -> None:
         self.config = config
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
@@ -35,22 +42,18 @@ class Scheduler:
         self.max_len = min(max_model_len, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
-        self.load_failure_policy = load_failure_policy
+        self.kv_transfers = None if connector is None else KVTransferTracker(connector, self.kv, load_failure_policy,
+                                                                              self.fail_request)
+        self.stop_checker = StopChecker(self.max_len, detokenizers)
         self.max_loras = max_loras                    # distinct LoRA adapters among running requests (device slots)
         self.requests: dict[str, Request] = {}        # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.sending: dict[str, Request] = {}         # finished, blocks held until the connector says sent
-        self.aborted_loading: dict[str, Request] = {}  # aborted during an async load; freed when the load ends
         self.finished_out: list[Request] = []         # finished outside update() (e.g. failed loads), to report
-        self._num_external: dict[str, int] = {}       # async-load tokens pending per request
-        self._bad_blocks: set[int] = set()            # reported invalid, waiting for their async load to end
         # What the model runner holds: request id -> number of block ids sent (None: preempted, send whole on resume).
         self._runner_blocks: dict[str, int | None] = {}
         self._finished_ids: set[str] = set()          # finished since the last schedule(): the runner drops them
         self.num_preemptions = 0
-        self.kv_load_failures = 0
-        self.recomputed_tokens = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -63,7 +66,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_pending_kv_transfers(self) -> bool:
-        return bool(self.sending or self.aborted_loading)
+        return self.kv_transfers is not None and self.kv_transfers.has_pending()
+
+    @property
+    def kv_load_failures(self) -> int:
+        return 0 if self.kv_transfers is None else self.kv_transfers.kv_load_failures
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return 0 if self.kv_transfers is None else self.kv_transfers.recomputed_tokens
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
@@ -84,25 +101,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.request_id in self._num_external:      # a connector is still writing into its blocks
-            self.aborted_loading[req.request_id] = req
-            return
-        self._release(req)
+        if self.kv_transfers is not None:
+            self.kv_transfers.on_finish(req)
+        else:
+            self.kv.free(req)
 
     def fail_request(self, req: Request, error: str) -> None:
         """Finish ``req`` with an error now; the next ``update_from_output`` reports it."""
         req.error = error
         self.finish_request(req, RequestStatus.FINISHED_ERROR)
         self.finished_out.append(req)
-
-    def _release(self, req: Request) -> None:
-        if self.connector is not None:
-            delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
-            req.kv_transfer_params = params
-            if delay:
-                self.sending[req.request_id] = req
-                return
-        self.kv.free(req)
 
     # ---- schedule --------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -186,8 +194,7 @@ class Scheduler:
                                                                 num_external)
                         req.num_computed_tokens = num_local
                         self.kv.record_prefix_lookup(req.num_tokens, num_local)
-                        self._num_external[req.request_id] = num_external
-                        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                        self.kv_transfers.start_load(req, num_external)
                         skipped.append(req)
                         continue
                 num_computed = num_local + num_external
@@ -250,7 +257,7 @@ class Scheduler:
         """Advance counters by what ran, append sampled tokens, apply token-level stops. Returns the requests that
         progressed (got a token, finished, or failed) this step."""
         touched: dict[str, Request] = {}
-        invalid = self._poll_connector()
+        invalid = set() if self.kv_transfers is None else self.kv_transfers.poll(self.running, self.requests)
         starts = out.num_computed_tokens()
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -274,75 +281,21 @@ class Scheduler:
                     lp = logprobs[k] if logprobs else {}
                     req.logprobs.append(lp)
                     req.cumulative_logprob += lp.get(token_id, 0.0)
-                self._check_stop(req, token_id)
-                if req.is_finished:
+                if self._check_stop(req, token_id):
                     break
         for req in self.finished_out:
             touched[req.request_id] = req
         self.finished_out = []
         return list(touched.values())
 
-    def _check_stop(self, req: Request, token_id: int) -> None:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if token_id == req.eos_token_id and not sp.ignore_eos:
-                return self.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            if token_id in sp.stop_token_ids:
-                return self.finish_request(req, RequestStatus.FINISHED_STOPPED, token_id)
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
-            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
-
-    def _poll_connector(self) -> set[str]:
-        """Collect finished transfers and load errors; returns ids of running requests whose step must be discarded."""
-        if self.connector is None:
-            return set()
-        sending, recving = self.connector.get_finished()
-        self._bad_blocks |= self.connector.get_block_ids_with_load_errors()
-        for rid in sending:
-            req = self.sending.pop(rid, None)
-            if req is not None:
-                self.kv.free(req)
-        invalid: set[str] = set()
-        for req in list(self.running):
-            end = req.num_computed_tokens  # still the scheduled-time value: sync loads counted as computed
-            if self._handle_invalid(req, end):
-                invalid.add(req.request_id)
-        for rid in recving:
-            if rid not in self._num_external:
-                continue
-            num_external = self._num_external.pop(rid)
-            req = self.aborted_loading.pop(rid, None)
-            if req is not None:                  # aborted while loading: the blocks are ours again
-                self._release(req)
-                continue
-            req = self.requests[rid]
-            req.status = RequestStatus.WAITING
-            if not self._handle_invalid(req, req.num_computed_tokens + num_external):
-                req.num_computed_tokens += num_external
-                self.kv.cache_blocks(req, req.num_computed_tokens)
-            if req.num_cached_tokens < 0 and not req.is_finished:
-                req.num_cached_tokens = req.num_computed_tokens
-        loading = {b for rid in self._num_external for b in self.kv.get_block_ids(rid)}
-        self._bad_blocks &= loading
-        return invalid
-
-    def _handle_invalid(self, req: Request, end: int) -> bool:
-        """If a block holding tokens < ``end`` is invalid: cut back to its start (recompute) or fail. True if hit."""
-        if not self._bad_blocks:
-            return False
-        ids = self.kv.get_block_ids(req.request_id)
-        num_blocks = -(-end // self.block_size)
-        first = next((i for i, b in enumerate(ids[:num_blocks]) if b in self._bad_blocks), None)
-        if first is None:
-            return False
-        self._bad_blocks -= set(ids[first:num_blocks])
-        self.kv_load_failures += 1
-        self.kv.invalidate_from(req, first)
-        if self.load_failure_policy == "fail":
-            self.fail_request(req, f"KV load failed for block {first} of request {req.request_id!r}")
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Finish ``req`` if ``token_id`` stops it; True if it did. A stop check that raises (e.g. its detokenizer)
+        fails only this request."""
+        try:
+            decision = self.stop_checker.check(req, token_id)
+        except Exception as e:  # noqa: BLE001
+            self.fail_request(req, f"{type(e).__name__}: {e}"[:500])
             return True
-        cut = min(first * self.block_size, req.num_computed_tokens if req.status == RequestStatus.RUNNING else end)
-        self.recomputed_tokens += end - cut
-        req.num_recomputed_tokens += end - cut
-        req.num_computed_tokens = cut
-        return True
+        if decision is not None:
+            self.finish_request(req, *decision)
+        return decision is not None

@@ -243,7 +243,7 @@ def test_fail_policy_ends_with_a_clean_error(pair, reference):
     prompts, _ = reference
     prompt = {"fail_policy": prompts["fail_policy"]}
     params = pair.handoff(prompt)["fail_policy"]
-    sched = pair.decode.engine.scheduler
+    sched = pair.decode.engine.scheduler.kv_transfers
     sched.load_failure_policy = "fail"      # the policy is an engine option; flipped here to reuse the loaded model
     try:
         forged = resign({**params, "fingerprint": "0" * 32}, pair.prefill.engine.connector.secret)

@@ -181,6 +181,7 @@ def handoff(producer, reference):
     params = out.kv_transfer_params
     assert params["do_remote_prefill"] and params["remote_request_id"] == "p1"
     assert producer.scheduler.kv.get_block_ids("p1") == params["remote_block_ids"]   # held (delay_free)
+    assert producer.has_pending_kv_transfers() and producer.has_unfinished_requests()   # what drain waits for
     return params
 
 
@@ -197,7 +198,7 @@ def fresh(consumer):
     def configure(async_polls=0, corrupt=(), policy="recompute"):
         assert consumer.reset_prefix_cache()
         consumer.connector.async_polls, consumer.connector.corrupt = async_polls, set(corrupt)
-        consumer.scheduler.load_failure_policy = policy
+        consumer.scheduler.kv_transfers.load_failure_policy = policy
         return consumer.get_stats()
     return configure
 
@@ -212,7 +213,8 @@ def test_sync_load_then_producer_frees(consumer, fresh, producer, reference, han
     assert consumer.get_stats().prompt_tokens - before.prompt_tokens == n_prompt - loaded   # only the rest computed
     assert producer.get_stats().kv_cache_usage > 0 and producer.has_unfinished_requests()
     producer.step()                                                               # polls get_finished(): sent
-    assert producer.get_stats().kv_cache_usage == 0 and "p1" not in producer.scheduler.sending
+    assert producer.get_stats().kv_cache_usage == 0 and "p1" not in producer.scheduler.kv_transfers.sending
+    assert not producer.has_pending_kv_transfers()
 
 
 @pytest.mark.parametrize("async_polls", [0, 2])
