@@ -41,6 +41,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _speculative_config(text: str) -> Any:
+    from pdserve.runtime.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -117,6 +126,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order: arrival, or the request's 'priority' (lower first) then arrival")
 
+    c.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": ..., '
+                        '"num_speculative_tokens": 3}; greedy output never changes')
+
     k = p.add_argument_group("KV transfer (disaggregation) and KV events")
     k.add_argument("--kv-connector", choices=["nixl", "redis", "disk"], default=None,
                    help="connector moving KV between prefill and decode pods")
@@ -149,7 +163,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy, max_waiting=args.max_waiting, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
-        kv_load_failure_policy=args.kv_load_failure_policy)
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        speculative_config=getattr(args, "speculative_config", None))
 
 
 def check_kv_secret(args: argparse.Namespace) -> str | None:

@@ -25,6 +25,8 @@ from pdserve.runtime.quantization import weight_bytes
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.runtime.spec_propose import create_proposer, load_draft_model
+from pdserve.runtime.spec_stats import SpecDecodingStats
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class EngineStats:
     kv_load_failures: int
     recomputed_tokens: int
     num_blocks: int = 0
+    spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off
 
 
 def _is_device_fault(e: BaseException) -> bool:
@@ -79,9 +82,12 @@ class LLMEngine:
         self.kv_cache_spec = KVCacheSpec(model=self.served_model_name, dtype=str(self.dtype).removeprefix("torch."),
                                          num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                          block_size=block_size)
-        num_blocks = determine_num_blocks(config, kv_block_bytes(m.num_layers, block_size, m.num_kv_heads,
-                                                                 m.head_dim, self.dtype), self.max_model_len,
-                                          self.device)
+        spec = config.speculative_config
+        draft = load_draft_model(spec, config, loaded, self.device) if spec and spec.method == "draft_model" else None
+        block_bytes = kv_block_bytes(m.num_layers, block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        if draft is not None:   # the draft's KV blocks share the target's block ids: one block costs both
+            block_bytes += kv_block_bytes(draft.num_layers, block_size, draft.num_kv_heads, draft.head_dim, self.dtype)
+        num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device)
         self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device)
         self.connector = None
         kvt = config.kv_transfer
@@ -90,6 +96,13 @@ class LLMEngine:
             self.connector.register_kv_caches(self.runner.kv_cache)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
                                    kvt.load_failure_policy)
+        self.proposer = None
+        if spec is not None:
+            draft_runner = None
+            if draft is not None:
+                draft_runner = ModelRunner(draft, num_blocks, block_size, self.dtype, self.device)
+                self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
+            self.proposer = create_proposer(spec, self.scheduler.max_len, draft_runner, self.scheduler.kv.get_block_ids)
         sched = config.scheduler
         self.limits = RequestLimits(vocab_size=int(self.hf_config.vocab_size), max_model_len=self.max_model_len,
                                     block_size=block_size, num_blocks=num_blocks,
@@ -173,6 +186,8 @@ class LLMEngine:
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)
         progressed = self.scheduler.update_from_output(sched_out, sampled)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         if not sched_out.scheduled and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
         now = time.time()
@@ -191,7 +206,7 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampledToken]:
+    def _execute(self, sched_out: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Run the step. If it raises, run each sequence alone and fail only those that still raise: no counter has
         moved yet and recomputing a sequence writes the same KV to the same slots, so the retry is exact (a seeded
         generator may have advanced, which only changes that request's draw). A device fault stays fatal."""
@@ -201,10 +216,13 @@ class LLMEngine:
             if _is_device_fault(e) or len(sched_out.scheduled) == 0:
                 raise
             log.exception("step over %d sequences failed; retrying them one by one", len(sched_out.scheduled))
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
+        spec = sched_out.scheduled_spec_decode_tokens
         for s in sched_out.scheduled:
             try:
-                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self._requests))
+                one = SchedulerOutput(scheduled=[s], scheduled_spec_decode_tokens={
+                    s.request_id: spec[s.request_id]} if s.request_id in spec else {})
+                sampled.update(self.runner.execute(one, self._requests))
             except Exception as e:  # noqa: BLE001
                 if _is_device_fault(e):
                     raise
@@ -231,7 +249,10 @@ class LLMEngine:
             # A stop token id (not EOS) stays in token_ids but its text is dropped unless asked for.
             if isinstance(req.stop_reason, int) and not req.sampling_params.include_stop_str_in_output and new:
                 new = new[:-1]
-            stop = detok.update(new) if new else None
+            if len(new) > 1 and detok.stop:
+                stop = self._update_stepwise(req, detok, new)
+            else:
+                stop = detok.update(new) if new else None
             if req.is_finished and stop is None:
                 stop = detok.flush()
             if stop is not None and not req.is_finished:
@@ -246,6 +267,19 @@ class LLMEngine:
         if req.is_finished:
             self._forget(req.request_id)
         return self._make_output(req, completion)
+
+    @staticmethod
+    def _update_stepwise(req: Request, detok: IncrementalDetokenizer, new: list[int]) -> str | None:
+        """Several tokens arrived at once (accepted drafts): feed them one by one so that a stop string ends the output
+        at the same token as non-speculative decoding would; the tokens after it are dropped."""
+        for j, t in enumerate(new):
+            stop = detok.update([t])
+            if stop is not None:
+                drop = len(new) - j - 1
+                if drop:
+                    req.truncate_output(req.num_output_tokens - drop)
+                return stop
+        return None
 
     def _make_output(self, req: Request, completion: CompletionOutput) -> RequestOutput | None:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
@@ -283,7 +317,8 @@ class LLMEngine:
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
-                           recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks)
+                           recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks,
+                           spec_decode=s.spec_stats.snapshot() if self.proposer is not None else None)
 
     def take_kv_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call, oldest first."""

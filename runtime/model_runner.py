@@ -15,6 +15,7 @@ import torch
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.kv_cache_manager import cdiv
+from pdserve.runtime.rejection_sampler import verify
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import Sampler
 from pdserve.runtime.scheduler import SampledToken, SchedulerOutput
@@ -87,17 +88,28 @@ class ModelRunner:
         return input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, SampledToken]:
-        """Run the step's forward pass and sample one token for every sequence whose chunk reached its end."""
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
+        """Run the step's forward pass and sample for every sequence whose chunk reached its end: one token, or, for a
+        sequence with drafts to verify, the accepted drafts plus one (pdserve.runtime.rejection_sampler)."""
         if not out.scheduled:
             return {}
         input_ids, positions, meta = self.build_metadata(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
-        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
-        if not rows:
-            return {}
+        spec = out.scheduled_spec_decode_tokens
+        rows = [i for i, s in enumerate(out.scheduled) if s.sample and not spec.get(s.request_id)]
+        spec_rows = [i for i, s in enumerate(out.scheduled) if s.sample and spec.get(s.request_id)]
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
-        logits = self.model.compute_logits(hidden[last[rows]])                               # (N, vocab) float32
-        reqs = [requests[out.scheduled[i].request_id] for i in rows]
-        sampled = self.sampler(logits.float(), reqs)
-        return {r.request_id: t for r, t in zip(reqs, sampled)}
+        result: dict[str, list[SampledToken]] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden[last[rows]])                           # (N, vocab) float32
+            reqs = [requests[out.scheduled[i].request_id] for i in rows]
+            sampled = self.sampler(logits.float(), reqs)
+            result.update({r.request_id: [t] for r, t in zip(reqs, sampled)})
+        if spec_rows:
+            drafts = [spec[out.scheduled[i].request_id] for i in spec_rows]
+            # logits at the last real token and at every draft: k + 1 rows per sequence
+            idx = torch.cat([torch.arange(-len(d), 1, device=last.device) + last[i] for i, d in zip(spec_rows, drafts)])
+            logits = self.model.compute_logits(hidden[idx]).float()                          # (sum(k+1), vocab)
+            reqs = [requests[out.scheduled[i].request_id] for i in spec_rows]
+            result.update({r.request_id: t for r, t in zip(reqs, verify(logits, reqs, drafts))})
+        return result

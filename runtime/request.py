@@ -74,6 +74,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.kv_transfer: dict[str, Any] = {}   # the connector's record of a remote-KV load (for tracing)
+        self.spec_token_ids: list[int] = []     # draft tokens to verify next step (runtime/spec_propose.py)
         # Chained hashes of every full block of all_token_ids, extended as tokens are appended.
         self._block_hashes: list[BlockHash] = hash_token_blocks(self.all_token_ids, block_size, cache_salt)
 
@@ -112,6 +113,18 @@ class Request:
             parent = self._block_hashes[-1] if self._block_hashes else None
             self._block_hashes += hash_token_blocks(
                 self.all_token_ids[start * self.block_size:], self.block_size, self.cache_salt, parent, start)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past ``num_output_tokens`` (accepted drafts after a stop string; the request finishes)."""
+        dropped = self.output_token_ids[num_output_tokens:]
+        if self.logprobs is not None:
+            for entry, t in zip(self.logprobs[num_output_tokens:], dropped):
+                self.cumulative_logprob -= entry.get(t, 0.0)
+            del self.logprobs[num_output_tokens:]
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self._block_hashes[self.num_tokens // self.block_size:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

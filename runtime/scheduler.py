@@ -23,6 +23,7 @@ from pdserve.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
 from pdserve.runtime.config import CacheConfig, SchedulerConfig
 from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.spec_stats import SpecDecodingStats
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     connector_meta: KVConnectorMetadata | None = None
+    # request id -> draft tokens to verify; they are also the last len(drafts) entries of that request's token_ids
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -79,6 +82,8 @@ class Scheduler:
         self.recomputed_tokens = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.num_lookahead_tokens = 0                 # extra slots a draft model writes its drafts' KV into
+        self.spec_stats = SpecDecodingStats()
 
     # ---- queue -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -138,6 +143,11 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget)
+            if drafts and (self.kv.allocate_slots(req, num_new + len(drafts) + self.num_lookahead_tokens) is not None
+                           or self.kv.allocate_slots(req, num_new + len(drafts)) is not None):
+                num_new += len(drafts)
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self._pick_victim()
                 vidx = self.running.index(victim)
@@ -148,6 +158,7 @@ class Scheduler:
                         break
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
+                out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 if vidx < idx:
                     idx -= 1
                 if victim is req:
@@ -165,11 +176,21 @@ class Scheduler:
             start = req.num_computed_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
-            out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:start + n], start,
-                                                  self.kv.get_block_ids(req.request_id), start + n == req.num_tokens))
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
+            end = start + n - len(drafts)
+            out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:end] + drafts, start,
+                                                  self.kv.get_block_ids(req.request_id), end == req.num_tokens))
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta()
         return out
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's proposed drafts that fit this step: only at its decode point, within the token budget and
+        never more than can be emitted before max_tokens / max_len (a step emits at most drafts + 1 tokens)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(0, room)]
 
     def _admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         skipped: list[Request] = []
@@ -238,6 +259,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -246,9 +268,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- update ----------------------------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
-        """Advance counters by what ran, append sampled tokens, apply token-level stops. Returns the requests that
-        progressed (got a token, finished, or failed) this step."""
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[SampledToken] | SampledToken]) -> list[Request]:
+        """Advance counters by what ran, append sampled tokens (several when drafts were accepted), apply token-level
+        stops. Returns the requests that progressed (got a token, finished, or failed) this step."""
         touched: dict[str, Request] = {}
         invalid = self._poll_connector()
         for s in out.scheduled:
@@ -258,33 +281,54 @@ class Scheduler:
             n = len(s.token_ids)
             self.prompt_tokens += max(0, min(s.start_pos + n, req.num_prompt_tokens) - s.start_pos)
             req.num_computed_tokens = s.start_pos + n
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            if self.connector is not None:
-                self.connector.request_scheduled_for_save(req, s.block_ids, req.num_computed_tokens)
             if not s.sample:
+                self._computed(req, s)
                 continue
-            tok = sampled[req.request_id]
-            req.append_output_token(tok.token_id)
-            self.generation_tokens += 1
-            if req.logprobs is not None:
-                req.logprobs.append(tok.logprobs or {})
-                req.cumulative_logprob += tok.logprob or 0.0
+            toks = sampled[req.request_id]
+            toks = [toks] if isinstance(toks, SampledToken) else toks
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
+            if drafts:
+                # Rejected drafts' KV slots roll back: only accepted tokens count as computed (the slots are rewritten
+                # by the next step, and blocks are hashed up to num_computed_tokens only).
+                req.num_computed_tokens -= len(drafts) - (len(toks) - 1)
+                self.spec_stats.observe(len(drafts), len(toks) - 1)
+            stop = None
+            for tok in toks:
+                req.append_output_token(tok.token_id)
+                self.generation_tokens += 1
+                if req.logprobs is not None:
+                    req.logprobs.append(tok.logprobs or {})
+                    req.cumulative_logprob += tok.logprob or 0.0
+                stop = self._stop(req, tok.token_id)
+                if stop is not None:        # the rest of an accepted run is dropped, as if never sampled
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                    break
+            self._computed(req, s)
             touched[req.request_id] = req
-            self._check_stop(req, tok.token_id)
+            if stop is not None:
+                self.finish_request(req, *stop)
         for req in self.finished_out:
             touched[req.request_id] = req
         self.finished_out = []
         return list(touched.values())
 
-    def _check_stop(self, req: Request, token_id: int) -> None:
+    def _computed(self, req: Request, s: ScheduledRequest) -> None:
+        """Publish the request's newly computed full blocks (prefix cache, connector saves)."""
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if self.connector is not None:
+            self.connector.request_scheduled_for_save(req, s.block_ids, req.num_computed_tokens)
+
+    def _stop(self, req: Request, token_id: int) -> tuple[RequestStatus, int | None] | None:
+        """Whether ``token_id`` (just appended) ends the request: (status, stop reason), else None."""
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if token_id == req.eos_token_id and not sp.ignore_eos:
-                return self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                return RequestStatus.FINISHED_STOPPED, None
             if token_id in sp.stop_token_ids:
-                return self.finish_request(req, RequestStatus.FINISHED_STOPPED, token_id)
+                return RequestStatus.FINISHED_STOPPED, token_id
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
-            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
 
     def _poll_connector(self) -> set[str]:
         """Collect finished transfers and load errors; returns ids of running requests whose step must be discarded."""
