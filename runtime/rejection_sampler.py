@@ -34,7 +34,7 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
     V = p.shape[-1]
     p_d = p[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)                        # (R, k)
     q_d = torch.ones_like(p_d) if q is None else q.gather(2, drafts.unsqueeze(2)).squeeze(2)
-    accepted = uniform * q_d <= p_d                                                   # P = min(1, p/q)
+    accepted = uniform * q_d < p_d          # P = min(1, p/q) for u in [0, 1); strict, so p = 0 never accepts
     # a draft q never proposes (q_d = 0) can only come from a caller bug; never accept it
     accepted &= q_d > 0
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # (R,)
