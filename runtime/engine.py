@@ -187,7 +187,11 @@ class LLMEngine:
             self.connector.save_kv(meta)
         progressed = self.scheduler.update_from_output(sched_out, sampled)
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            running, off = self.scheduler.running, self.config.speculative_config.disable_by_batch_size
+            self.proposer.propose(running if off is None or len(running) < off else [])
+            if off is not None and len(running) >= off:
+                for req in running:
+                    req.spec_token_ids = []
         if not sched_out.scheduled and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
         now = time.time()

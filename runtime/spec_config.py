@@ -3,9 +3,11 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "<path or id>", "num_speculative_tokens": 3}
 
-pdserve extension: ``"draft_num_layers": N`` keeps only the draft's first N decoder layers (with its own final norm and
-LM head). With ``model`` omitted (or equal to the target's), the draft shares the target's weights, so
-``{"method": "draft_model", "draft_num_layers": 12}`` is a free, cheaper self-draft.
+pdserve extensions: ``"draft_num_layers": N`` keeps only the draft's first N decoder layers (then its final norm and
+LM head, shared). With ``model`` omitted (or equal to the target's), the draft shares the target's weights, so
+``{"method": "draft_model", "draft_num_layers": 12}`` is a free, cheaper self-draft. ``"disable_by_batch_size": N``
+(vLLM v0's knob) proposes nothing while N or more requests run, where verifying drafts costs more compute than it
+saves latency.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4               # ngram: longest suffix n-gram looked up (tried first)
     model: str | None = None                 # draft_model: None -> the target model's own weights
     draft_num_layers: int | None = None      # draft_model: keep the first N layers (pdserve extension)
+    disable_by_batch_size: int | None = None  # no drafts in steps with at least this many running requests (vLLM v0)
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -37,9 +40,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be at most 16")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
-        n = self.draft_num_layers
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"speculative_config.draft_num_layers must be a positive integer, got {n!r}")
+        for name in ("draft_num_layers", "disable_by_batch_size"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {n!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
