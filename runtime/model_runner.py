@@ -111,5 +111,6 @@ class ModelRunner:
             idx = torch.cat([torch.arange(-len(d), 1, device=last.device) + last[i] for i, d in zip(spec_rows, drafts)])
             logits = self.model.compute_logits(hidden[idx]).float()                          # (sum(k+1), vocab)
             reqs = [requests[out.scheduled[i].request_id] for i in spec_rows]
-            result.update({r.request_id: t for r, t in zip(reqs, verify(logits, reqs, drafts))})
+            q = [getattr(r, "spec_draft_probs", None) for r in reqs]    # a draft model's q (sampling requests)
+            result.update({r.request_id: t for r, t in zip(reqs, verify(logits, reqs, drafts, q))})
         return result

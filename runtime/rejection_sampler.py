@@ -52,6 +52,15 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
     return num_accepted, final
 
 
+def request_generator(req: Request, device: torch.device) -> torch.Generator | None:
+    """The request's own generator when it is seeded (created on first use, as the plain sampler does), else None."""
+    if req.sampling_params.seed is None:
+        return None
+    if req.generator is None:
+        req.generator = torch.Generator(device=device).manual_seed(req.sampling_params.seed)
+    return req.generator
+
+
 def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
            draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[SampledToken]]:
     """logits: (sum(k_i + 1), vocab) float32, request i's k_i + 1 rows consecutive (draft positions, then the bonus).
@@ -70,14 +79,10 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[S
             ids = target[:n + 1]
         else:
             probs = _top_k_top_p_min_p(rows / sp.temperature, [sp] * (k + 1)).softmax(dim=-1)
-            gen = None
-            if sp.seed is not None:
-                if req.generator is None:
-                    req.generator = torch.Generator(device=logits.device).manual_seed(sp.seed)
-                gen = req.generator
+            gen = request_generator(req, logits.device)
             uniform = torch.rand(1, k, generator=gen, device=logits.device)
             noise = torch.empty(1, probs.shape[-1], device=logits.device).exponential_(generator=gen)
-            q = None if draft_probs is None or draft_probs[i] is None else draft_probs[i].unsqueeze(0)
+            q = None if draft_probs is None or draft_probs[i] is None else draft_probs[i][:k].unsqueeze(0)
             dt = torch.tensor([list(d)], dtype=torch.int64, device=logits.device)
             n_t, final = rejection_sample(probs.unsqueeze(0), dt, q, uniform, noise)
             n = int(n_t)

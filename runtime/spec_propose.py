@@ -5,7 +5,8 @@ model verifies them (pdserve.runtime.rejection_sampler).
 - ``NgramProposer`` (prompt lookup): the longest suffix n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min``)
   that occurred earlier in prompt + output; its most recent earlier occurrence's continuation is the draft. One
   vectorized numpy pass per n over the request's tokens: O(len * n), no quadratic scan.
-- ``DraftModelProposer``: a smaller model with the same tokenizer runs k greedy steps. Its KV cache is its own tensor
+- ``DraftModelProposer``: a smaller model with the same tokenizer runs k steps (greedy for greedy requests; sampling
+  requests draw from the draft's distribution q, kept for the min(1, p/q) acceptance rule). Its KV cache is its own tensor
   with the SAME number of blocks, addressed by the SAME block ids as the target's, so one block allocation covers both
   models (the engine sizes the pool for both). The draft catches up on the tokens it has not seen (prefill, the tokens
   accepted last step) in one chunk, then decodes k - 1 single tokens; its KV at draft positions is scratch that the
@@ -19,7 +20,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from pdserve.runtime.rejection_sampler import request_generator
 from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.sampler import _top_k_top_p_min_p
 from pdserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.runtime.spec_config import SpeculativeConfig
 
@@ -85,7 +88,7 @@ class TruncatedModel(torch.nn.Module):
 
 
 class DraftModelProposer:
-    """Greedy k-step drafts from a second model (see the module docstring for its KV layout)."""
+    """k-step drafts from a second model (see the module docstring for its KV layout)."""
 
     def __init__(self, config: SpeculativeConfig, runner, max_len: int,
                  get_block_ids: Callable[[str], list[int]]) -> None:
@@ -98,7 +101,7 @@ class DraftModelProposer:
         todo: list[tuple[Request, int, list[int], int]] = []
         seen: dict[str, tuple[int, int]] = {}
         for req in requests:
-            req.spec_token_ids = []
+            req.spec_token_ids, req.spec_draft_probs = [], None
             k = max_drafts(req, self.config.num_speculative_tokens, self.max_len) if can_speculate(req) else 0
             blocks = self.get_block_ids(req.request_id)
             # Draft decode steps write positions up to num_tokens + k - 2: they need slots.
@@ -115,23 +118,39 @@ class DraftModelProposer:
         # Catch up every request in one forward; the last position's logits give draft 1.
         step = [ScheduledRequest(r.request_id, r.all_token_ids[done:], done, blocks, True)
                 for r, _, blocks, done in todo]
-        tokens = self._greedy(step)
-        drafts = [[t] for t in tokens]
+        reqs = [r for r, _, _, _ in todo]
+        first, q = self._next(step, reqs)
+        drafts, probs = [[t] for t in first], [[p] for p in q]
         for j in range(1, max(k for _, k, _, _ in todo)):
             live = [i for i, (_, k, _, _) in enumerate(todo) if k > j]
-            step = [ScheduledRequest(todo[i][0].request_id, [drafts[i][-1]], todo[i][0].num_tokens + j - 1,
+            step = [ScheduledRequest(reqs[i].request_id, [drafts[i][-1]], reqs[i].num_tokens + j - 1,
                                      todo[i][2], True) for i in live]
-            for i, t in zip(live, self._greedy(step)):
+            for i, t, p in zip(live, *self._next(step, [reqs[i] for i in live])):
                 drafts[i].append(t)
-        for (req, k, _, _), d in zip(todo, drafts):
+                probs[i].append(p)
+        for (req, k, _, _), d, p in zip(todo, drafts, probs):
             req.spec_token_ids = d[:k]
+            req.spec_draft_probs = None if p[0] is None else torch.stack(p[:k])     # (k, vocab): q for verification
 
-    def _greedy(self, scheduled: list[ScheduledRequest]) -> list[int]:
+    def _next(self, scheduled: list[ScheduledRequest], reqs: list[Request]) -> tuple[list[int], list]:
+        """One draft token per sequence: greedy rows take the argmax; sampling rows draw from the draft's distribution
+        q (same temperature / top-k / top-p / min-p as the target) with the request's generator, and return q."""
         r = self.runner
         input_ids, positions, meta = r.build_metadata(SchedulerOutput(scheduled=scheduled))
         hidden = r.model(input_ids, positions, r.kv_cache, meta)
         last = meta.query_start_loc[1:].to(torch.int64) - 1
-        return r.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        logits = r.model.compute_logits(hidden[last]).float()                      # (N, vocab)
+        tokens = logits.argmax(dim=-1).tolist()
+        probs: list = [None] * len(reqs)
+        for i, req in enumerate(reqs):
+            sp = req.sampling_params
+            if sp.greedy:
+                continue
+            q = _top_k_top_p_min_p(logits[i:i + 1] / sp.temperature, [sp]).softmax(dim=-1)[0]
+            gen = request_generator(req, logits.device)
+            tokens[i] = int((q / torch.empty_like(q).exponential_(generator=gen)).argmax())
+            probs[i] = q
+        return tokens, probs
 
 
 def create_proposer(config: SpeculativeConfig, max_len: int, draft_runner=None,

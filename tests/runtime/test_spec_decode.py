@@ -134,15 +134,17 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
-def test_sampling_seeded_and_distribution_preserving(base):
-    """A prompt whose continuation n-gram lookup drafts (1 draft); 240 seeds, 3 tokens at temperature 1.0: token 2 is
-    always decided by rejection sampling. Among outputs whose token 1 is the most common one, token 2's counts are
+@pytest.mark.parametrize("spec", [{**NGRAM, "num_speculative_tokens": 1}, {**DRAFT, "num_speculative_tokens": 1}],
+                         ids=["ngram", "draft_model"])
+def test_sampling_seeded_and_distribution_preserving(base, spec):
+    """A prompt whose continuation n-gram lookup drafts (1 draft; the draft model samples its draft from q); 240 seeds,
+    3 tokens at temperature 1.0: token 2 is decided by rejection sampling whenever a draft was proposed. Among outputs whose token 1 is the most common one, token 2's counts are
     compared with the model's exact next-token probabilities (raw logprobs of prompt + token 1): chi-square over the
     categories expecting >= 5 samples plus one pooled 'other', refused above the 0.001 quantile."""
     prompt = "a b c d a b c d a b c"
     n = 240
     llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=512, max_num_seqs=256,
-              max_num_batched_tokens=4096, speculative_config={**NGRAM, "num_speculative_tokens": 1})
+              max_num_batched_tokens=4096, speculative_config=spec)
     params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
     outs = [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params)]
     sd = llm.get_stats().spec_decode
