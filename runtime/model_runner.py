@@ -1,28 +1,42 @@
-"""Runs the model on one scheduled step: owns the KV cache tensor, builds AttentionMetadata, samples.
+"""Runs the model on one scheduled step: owns the KV cache tensor and the persistent batch, builds AttentionMetadata,
+runs the forward pass (``execute_model``) and, as a separate stage, samples (``sample``).
 
 The cache is allocated once, ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`` (pdserve.kernels.base),
 and is the only KV storage: there are no per-request buffers. Metadata is built with a handful of torch ops per step
-(not per token). The runner never touches the block pool: block ids arrive in the scheduler output.
+(not per token). The runner never touches the block pool or a scheduler request: block ids, token ids and counters
+arrive in the ``SchedulerOutput`` diffs and live in its ``InputBatch``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.kv_cache_manager import cdiv
+from pdserve.runtime.input_batch import InputBatch
 from pdserve.runtime.rejection_sampler import verify
-from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import Sampler
-from pdserve.runtime.scheduler import SampledToken, SchedulerOutput
+from pdserve.runtime.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 CPU_KV_BUDGET = 2 << 30  # bytes of KV on CPU when no budget is given
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward pass leaves for the sampler: the rows that reached the end of their tokens."""
+
+    req_ids: list[str]            # requests to sample, in batch order
+    logits: torch.Tensor          # (N, vocab) float32
+    hidden_states: torch.Tensor   # (N, hidden): the last position's hidden state per row (e.g. for a draft model)
+    # request id -> drafts being verified: such a request has len(drafts) + 1 consecutive rows (its positions from
+    # the last real token on), the others one row each
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -55,62 +69,112 @@ class ModelRunner:
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage
         self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
                                     dtype=dtype, device=device)
+        self.batch = InputBatch(device)
         self.sampler = Sampler(device)
+        self.proposer = None      # speculative decoding: proposes drafts after sampling (runtime/spec_propose.py)
 
-    def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids (T,), positions (T,), metadata) for the step, on the model's device."""
-        seqs = out.scheduled
-        q_lens = [len(s.token_ids) for s in seqs]
-        starts = [s.start_pos for s in seqs]
-        seq_lens = [a + b for a, b in zip(starts, q_lens)]
-        max_blocks = max(cdiv(n, self.block_size) for n in seq_lens)
-        rows = []
-        for s, n in zip(seqs, seq_lens):
-            ids = s.block_ids[: cdiv(n, self.block_size)]
-            rows.append(ids + [0] * (max_blocks - len(ids)))
-        table = torch.tensor(rows, dtype=torch.int32)                                      # (S, max_blocks)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=qsl[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)                  # (T,)
-        positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
-        slots = table[seq_idx, positions // self.block_size].to(torch.int64) * self.block_size \
-            + positions % self.block_size
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
-        return input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
+        self.batch.update(out)
+        if self.proposer is not None:
+            self.proposer.forget(out.finished_req_ids.union(out.preempted_req_ids))
+
+    def build_metadata(self, req_ids: list[str], num_scheduled: dict[str, int],
+                       spec: dict[str, list[int]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids (T,), positions (T,), metadata) for the rows ``req_ids``, on the model's device. A row's query
+        tokens are its scheduled token ids, followed by its draft tokens (``spec``) when it has some."""
+        states = [self.batch.requests[r] for r in req_ids]
+        spec = spec or {}
+        starts = [s.num_computed_tokens for s in states]
+        tokens = [s.token_ids[a:a + num_scheduled[r] - len(spec.get(r, ()))] + spec.get(r, [])
+                  for r, s, a in zip(req_ids, states, starts)]
+        return attention_inputs(tokens, starts, [s.block_ids for s in states], self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
-        """Run the step's forward pass and sample for every sequence whose chunk reached its end: one token, or, for a
-        sequence with drafts to verify, the accepted drafts plus one (pdserve.runtime.rejection_sampler)."""
-        if not out.scheduled:
-            return {}
-        input_ids, positions, meta = self.build_metadata(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
+    def execute_model(self, out: SchedulerOutput, req_ids: list[str] | None = None) -> ForwardOutput | None:
+        """Forward pass over the step's scheduled requests (or only ``req_ids``, for a per-request retry). Returns the
+        logits of the rows whose chunk reached the end of their tokens (for a row verifying drafts: at its last real
+        token and at every draft), or None when no row samples."""
+        req_ids = list(out.num_scheduled_tokens) if req_ids is None else req_ids
+        if not req_ids:
+            return None
         spec = out.scheduled_spec_decode_tokens
-        rows = [i for i, s in enumerate(out.scheduled) if s.sample and not spec.get(s.request_id)]
-        spec_rows = [i for i, s in enumerate(out.scheduled) if s.sample and spec.get(s.request_id)]
+        input_ids, positions, meta = self.build_metadata(req_ids, out.num_scheduled_tokens, spec)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
+        states = self.batch.requests
+        rows = [i for i, r in enumerate(req_ids)
+                if states[r].num_computed_tokens + out.num_scheduled_tokens[r] - len(spec.get(r, ()))
+                >= len(states[r].token_ids)]
+        if not rows:
+            return None
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
-        result: dict[str, list[SampledToken]] = {}
-        if rows:
-            logits = self.model.compute_logits(hidden[last[rows]])                           # (N, vocab) float32
-            reqs = [requests[out.scheduled[i].request_id] for i in rows]
-            sampled = self.sampler(logits.float(), reqs)
-            result.update({r.request_id: [t] for r, t in zip(reqs, sampled)})
-        if spec_rows:
-            drafts = [spec[out.scheduled[i].request_id] for i in spec_rows]
-            # logits at the last real token and at every draft: k + 1 rows per sequence
-            idx = torch.cat([torch.arange(-len(d), 1, device=last.device) + last[i] for i, d in zip(spec_rows, drafts)])
-            logits = self.model.compute_logits(hidden[idx]).float()                          # (sum(k+1), vocab)
-            reqs = [requests[out.scheduled[i].request_id] for i in spec_rows]
-            q = [getattr(r, "spec_draft_probs", None) for r in reqs]    # a draft model's q (sampling requests)
-            result.update({r.request_id: t for r, t in zip(reqs, verify(logits, reqs, drafts, q))})
-        return result
+        idx = torch.cat([torch.arange(-len(spec.get(req_ids[i], ())), 1, device=last.device) + last[i] for i in rows])
+        hidden = hidden[idx]                                                                 # (N, hidden)
+        logits = self.model.compute_logits(hidden)                                           # (N, vocab)
+        sampled = [req_ids[i] for i in rows]
+        return ForwardOutput(sampled, logits.float(), hidden, {r: spec[r] for r in sampled if spec.get(r)})
+
+    @torch.inference_mode()
+    def sample(self, fwd: ForwardOutput | None) -> ModelRunnerOutput:
+        """Sample each row of ``fwd`` (one token, or for a row verifying drafts the accepted ones plus one) and append
+        the tokens to the batch (only once the whole draw succeeded); then propose the next step's drafts."""
+        if fwd is None:
+            return ModelRunnerOutput()
+        plain = [i for i, r in enumerate(fwd.req_ids) if r not in fwd.spec]
+        tokens: dict[str, list[SampledToken]] = {}
+        if not fwd.spec:
+            rows = fwd.logits
+        else:   # row offsets: a verifying request spans len(drafts) + 1 rows
+            sizes = [len(fwd.spec.get(r, ())) + 1 for r in fwd.req_ids]
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            rows = fwd.logits[[offsets[i] for i in plain]]
+            spec_ids = [r for r in fwd.req_ids if r in fwd.spec]
+            meta = self.batch.sampling_metadata(spec_ids)
+            idx = [j for i, r in enumerate(fwd.req_ids) if r in fwd.spec for j in range(offsets[i], offsets[i] + sizes[i])]
+            q = [self.proposer.draft_probs(r) if self.proposer is not None else None for r in spec_ids]
+            verified = verify(fwd.logits[idx], meta.params, meta.generators, [fwd.spec[r] for r in spec_ids], q)
+            tokens.update(zip(spec_ids, verified))
+        if plain:
+            ids = [fwd.req_ids[i] for i in plain]
+            tokens.update((r, [t]) for r, t in zip(ids, self.sampler(rows, self.batch.sampling_metadata(ids))))
+        out = ModelRunnerOutput()
+        for rid in fwd.req_ids:
+            toks = tokens[rid]
+            self.batch.append_sampled(rid, [t.token_id for t in toks])
+            out.req_ids.append(rid)
+            out.sampled_token_ids.append([t.token_id for t in toks])
+            out.logprobs.append(None if toks[0].logprobs is None else [t.logprobs for t in toks])
+        if self.proposer is not None:
+            out.spec_token_ids = self.proposer.propose([self.batch.requests[r] for r in fwd.req_ids],
+                                                       len(self.batch.req_ids))
+        return out
+
+
+def attention_inputs(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids (T,), positions (T,), metadata) for sequences whose query ``tokens[i]`` start at position
+    ``starts[i]``, addressed through ``block_ids[i]`` (the runner's rows, and a draft model on its own KV tensor)."""
+    q_lens = [len(t) for t in tokens]
+    seq_lens = [a + b for a, b in zip(starts, q_lens)]
+    max_blocks = max(cdiv(n, block_size) for n in seq_lens)
+    rows = []
+    for ids, n in zip(block_ids, seq_lens):
+        ids = ids[: cdiv(n, block_size)]
+        rows.append(ids + [0] * (max_blocks - len(ids)))
+    table = torch.tensor(rows, dtype=torch.int32)                                          # (S, max_blocks)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    qsl = torch.zeros(len(tokens) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens_t, 0, out=qsl[1:])
+    seq_idx = torch.repeat_interleave(torch.arange(len(tokens)), q_lens_t)                    # (T,)
+    positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
+    slots = table[seq_idx, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device, non_blocking=True),
+        query_start_loc=qsl.to(torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
+    return input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True), meta

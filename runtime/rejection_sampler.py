@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import _top_k_top_p_min_p
-from pdserve.runtime.scheduler import SampledToken
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.sched_output import SampledToken
 
 
 def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, uniform: torch.Tensor,
@@ -52,34 +52,26 @@ def rejection_sample(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
     return num_accepted, final
 
 
-def request_generator(req: Request, device: torch.device) -> torch.Generator | None:
-    """The request's own generator when it is seeded (created on first use, as the plain sampler does), else None."""
-    if req.sampling_params.seed is None:
-        return None
-    if req.generator is None:
-        req.generator = torch.Generator(device=device).manual_seed(req.sampling_params.seed)
-    return req.generator
-
-
-def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
-           draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[SampledToken]]:
+def verify(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None] | None = None
+           ) -> list[list[SampledToken]]:
     """logits: (sum(k_i + 1), vocab) float32, request i's k_i + 1 rows consecutive (draft positions, then the bonus).
     Speculated requests carry no penalties and have reached min_tokens (the proposer guarantees it), so the processing
-    the plain sampler would apply is only temperature / top-k / top-p / min-p. Returns the emitted tokens per request."""
+    the plain sampler would apply is only temperature / top-k / top-p / min-p. ``draft_probs[i]``: the draft model's
+    (>= k_i, vocab) distribution its sampled drafts came from, None for deterministic drafts. Returns the emitted
+    tokens per request."""
     out: list[list[SampledToken]] = []
     argmax = logits.argmax(dim=-1).tolist()
     offset = 0
-    for i, (req, d) in enumerate(zip(requests, drafts)):
+    for i, (sp, gen, d) in enumerate(zip(params, generators, drafts)):
         k = len(d)
         rows = logits[offset:offset + k + 1]
-        sp = req.sampling_params
         if sp.greedy:
             target = argmax[offset:offset + k + 1]
             n = next((j for j in range(k) if target[j] != d[j]), k)
             ids = target[:n + 1]
         else:
             probs = _top_k_top_p_min_p(rows / sp.temperature, [sp] * (k + 1)).softmax(dim=-1)
-            gen = request_generator(req, logits.device)
             uniform = torch.rand(1, k, generator=gen, device=logits.device)
             noise = torch.empty(1, probs.shape[-1], device=logits.device).exponential_(generator=gen)
             q = None if draft_probs is None or draft_probs[i] is None else draft_probs[i][:k].unsqueeze(0)

@@ -70,12 +70,10 @@ class Request:
         self.num_recomputed_tokens = 0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.generator: Any = None         # torch.Generator for seeded sampling, created by the sampler
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.kv_transfer: dict[str, Any] = {}   # the connector's record of a remote-KV load (for tracing)
         self.spec_token_ids: list[int] = []     # draft tokens to verify next step (runtime/spec_propose.py)
-        self.spec_draft_probs: Any = None       # (k, vocab) draft-model distribution q of sampled drafts, else None
         # Chained hashes of every full block of all_token_ids, extended as tokens are appended.
         self._block_hashes: list[BlockHash] = hash_token_blocks(self.all_token_ids, block_size, cache_salt)
 

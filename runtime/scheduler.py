@@ -16,46 +16,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-from pdserve.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
+from pdserve.kv_connectors.base import KVConnectorBase
 from pdserve.runtime.config import CacheConfig, SchedulerConfig
 from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.runtime.spec_stats import SpecDecodingStats
-
-
-@dataclass
-class ScheduledRequest:
-    """One sequence's share of a step: compute ``token_ids`` at positions ``start_pos ..``; sample after it if
-    ``sample`` (the chunk reaches the end of the request's tokens)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    connector_meta: KVConnectorMetadata | None = None
-    # request id -> draft tokens to verify; they are also the last len(drafts) entries of that request's token_ids
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None = None   # sampled token + top-k alternatives, when requested
-    logprob: float | None = None               # the sampled token's logprob, when requested
 
 
 class Scheduler:
@@ -77,6 +44,9 @@ class Scheduler:
         self.finished_out: list[Request] = []         # finished outside update() (e.g. failed loads), to report
         self._num_external: dict[str, int] = {}       # async-load tokens pending per request
         self._bad_blocks: set[int] = set()            # reported invalid, waiting for their async load to end
+        # What the model runner holds: request id -> number of block ids sent (None: preempted, send whole on resume).
+        self._runner_blocks: dict[str, int | None] = {}
+        self._finished_ids: set[str] = set()          # finished since the last schedule(): the runner drops them
         self.num_preemptions = 0
         self.kv_load_failures = 0
         self.recomputed_tokens = 0
@@ -109,6 +79,8 @@ class Scheduler:
         """Finish now and free its blocks (unless a connector holds them, or an async load is still writing them)."""
         req.status, req.stop_reason = status, stop_reason
         self.requests.pop(req.request_id, None)
+        if self._runner_blocks.pop(req.request_id, -1) != -1:
+            self._finished_ids.add(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -146,7 +118,7 @@ class Scheduler:
             drafts = self._drafts(req, budget)
             if drafts and (self.kv.allocate_slots(req, num_new + len(drafts) + self.num_lookahead_tokens) is not None
                            or self.kv.allocate_slots(req, num_new + len(drafts)) is not None):
-                num_new += len(drafts)
+                num_new += len(drafts)                  # drafts are extra query tokens of this step
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self._pick_victim()
@@ -157,7 +129,7 @@ class Scheduler:
                         budget += n
                         break
                 self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                out.preempted_req_ids.append(victim.request_id)
                 out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 if vidx < idx:
                     idx -= 1
@@ -169,20 +141,33 @@ class Scheduler:
             budget -= num_new
             idx += 1
 
-        if not out.preempted_ids:
+        if not out.preempted_req_ids:
             budget = self._admit_waiting(chosen, budget)
 
         for req, n in chosen:
-            start = req.num_computed_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
-            drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
-            end = start + n - len(drafts)
-            out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:end] + drafts, start,
-                                                  self.kv.get_block_ids(req.request_id), end == req.num_tokens))
+            out.num_scheduled_tokens[req.request_id] = n
+            self._add_request_data(out, req)
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         if self.connector is not None:
-            out.connector_meta = self.connector.build_connector_meta()
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def _add_request_data(self, out: SchedulerOutput, req: Request) -> None:
+        """Send ``req`` to the runner whole (first time), as a diff, or whole again after a preemption."""
+        rid, ids = req.request_id, self.kv.get_block_ids(req.request_id)
+        sent = self._runner_blocks.get(rid, -1)
+        self._runner_blocks[rid] = len(ids)
+        if sent == -1:
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params, req.eos_token_id, ids,
+                req.num_computed_tokens))
+        else:
+            resumed = sent is None
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, resumed, ids if resumed else ids[sent:], list(req.all_token_ids) if resumed else [],
+                req.num_computed_tokens, req.num_output_tokens))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's proposed drafts that fit this step: only at its decode point, within the token budget and
@@ -260,6 +245,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
+        self._runner_blocks[req.request_id] = None
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -268,67 +254,65 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- update ----------------------------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[SampledToken] | SampledToken]) -> list[Request]:
-        """Advance counters by what ran, append sampled tokens (several when drafts were accepted), apply token-level
-        stops. Returns the requests that progressed (got a token, finished, or failed) this step."""
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Advance counters by what ran, append sampled tokens, apply token-level stops. Returns the requests that
+        progressed (got a token, finished, or failed) this step."""
         touched: dict[str, Request] = {}
         invalid = self._poll_connector()
-        for s in out.scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None or req.request_id in invalid:
+        starts = out.num_computed_tokens()
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or rid in invalid:
                 continue
-            n = len(s.token_ids)
-            self.prompt_tokens += max(0, min(s.start_pos + n, req.num_prompt_tokens) - s.start_pos)
-            req.num_computed_tokens = s.start_pos + n
-            if not s.sample:
-                self._computed(req, s)
+            start = starts[rid]
+            self.prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            got = runner_out.get(rid)
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            computed = start + n
+            if drafts and got is not None:
+                # Rejected drafts' KV slots roll back: only accepted tokens count as computed (the next step rewrites
+                # those slots, and blocks are hashed only up to num_computed_tokens).
+                num_accepted = len(got[0]) - 1
+                computed -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
+            # Accepted drafts are not in all_token_ids yet: hash only what is there now (the rest after appending).
+            req.num_computed_tokens = min(computed, req.num_tokens)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if self.connector is not None:
+                self.connector.request_scheduled_for_save(req, self.kv.get_block_ids(rid), req.num_computed_tokens)
+            req.num_computed_tokens = computed
+            if got is None:
                 continue
-            toks = sampled[req.request_id]
-            toks = [toks] if isinstance(toks, SampledToken) else toks
-            drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
-            if drafts:
-                # Rejected drafts' KV slots roll back: only accepted tokens count as computed (the slots are rewritten
-                # by the next step, and blocks are hashed up to num_computed_tokens only).
-                req.num_computed_tokens -= len(drafts) - (len(toks) - 1)
-                self.spec_stats.observe(len(drafts), len(toks) - 1)
-            stop = None
-            for tok in toks:
-                req.append_output_token(tok.token_id)
+            token_ids, logprobs = got
+            touched[rid] = req
+            for k, token_id in enumerate(token_ids):
+                req.append_output_token(token_id)
                 self.generation_tokens += 1
                 if req.logprobs is not None:
-                    req.logprobs.append(tok.logprobs or {})
-                    req.cumulative_logprob += tok.logprob or 0.0
-                stop = self._stop(req, tok.token_id)
-                if stop is not None:        # the rest of an accepted run is dropped, as if never sampled
+                    lp = logprobs[k] if logprobs else {}
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += lp.get(token_id, 0.0)
+                self._check_stop(req, token_id)
+                if req.is_finished:   # the rest of an accepted run is dropped, as if never sampled
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     break
-            self._computed(req, s)
-            touched[req.request_id] = req
-            if stop is not None:
-                self.finish_request(req, *stop)
+            if drafts and not req.is_finished:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.spec_token_ids = [] if req.is_finished else runner_out.spec_token_ids.get(rid, [])
         for req in self.finished_out:
             touched[req.request_id] = req
         self.finished_out = []
         return list(touched.values())
 
-    def _computed(self, req: Request, s: ScheduledRequest) -> None:
-        """Publish the request's newly computed full blocks (prefix cache, connector saves)."""
-        self.kv.cache_blocks(req, req.num_computed_tokens)
-        if self.connector is not None:
-            self.connector.request_scheduled_for_save(req, s.block_ids, req.num_computed_tokens)
-
-    def _stop(self, req: Request, token_id: int) -> tuple[RequestStatus, int | None] | None:
-        """Whether ``token_id`` (just appended) ends the request: (status, stop reason), else None."""
+    def _check_stop(self, req: Request, token_id: int) -> None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if token_id == req.eos_token_id and not sp.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED, None
+                return self.finish_request(req, RequestStatus.FINISHED_STOPPED)
             if token_id in sp.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
+                return self.finish_request(req, RequestStatus.FINISHED_STOPPED, token_id)
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None
+            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
 
     def _poll_connector(self) -> set[str]:
         """Collect finished transfers and load errors; returns ids of running requests whose step must be discarded."""

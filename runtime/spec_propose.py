@@ -1,6 +1,7 @@
-"""Draft proposers: after a step's tokens are appended, each running request at its decode point gets up to k draft
-tokens in ``request.spec_token_ids``; the scheduler sends them as extra query tokens of the next step, where the target
-model verifies them (pdserve.runtime.rejection_sampler).
+"""Draft proposers, run by the model runner right after sampling (as vLLM v1 does): each request that just sampled
+gets up to k draft tokens in ``ModelRunnerOutput.spec_token_ids``; the scheduler keeps them on the request, caps them
+(budget, max_tokens) and sends them as extra query tokens of the next step (``scheduled_spec_decode_tokens``), where
+the target verifies them in the same forward pass (pdserve.runtime.rejection_sampler).
 
 - ``NgramProposer`` (prompt lookup): the longest suffix n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min``)
   that occurred earlier in prompt + output; its most recent earlier occurrence's continuation is the draft. One
@@ -15,28 +16,26 @@ model verifies them (pdserve.runtime.rejection_sampler).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from pdserve.runtime.rejection_sampler import request_generator
-from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.input_batch import CachedRequestState
 from pdserve.runtime.sampler import _top_k_top_p_min_p
-from pdserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.runtime.spec_config import SpeculativeConfig
 
 
-def max_drafts(req: Request, k: int, max_len: int) -> int:
-    """Most drafts worth verifying: the step emits at most drafts + 1 tokens, never past max_tokens or max_len."""
-    return max(0, min(k, req.max_tokens - req.num_output_tokens - 1, max_len - req.num_tokens - 1))
-
-
-def can_speculate(req: Request) -> bool:
-    """Penalties and an active min_tokens mask depend on the tokens before each position: such requests run plainly."""
-    sp = req.sampling_params
-    return (req.status == RequestStatus.RUNNING and not sp.has_penalties
-            and req.num_output_tokens >= sp.min_tokens and req.num_computed_tokens == req.num_tokens - 1)
+def max_drafts(state: CachedRequestState, k: int, max_len: int) -> int:
+    """Drafts worth proposing: none for requests whose logits processing depends on the tokens before each position
+    (penalties, an active min_tokens mask); never past max_tokens or max_len (a step emits at most drafts + 1)."""
+    sp = state.sampling_params
+    if sp.has_penalties or state.num_output_tokens < sp.min_tokens:
+        return 0
+    k = min(k, max_len - len(state.token_ids) - 1)
+    if sp.max_tokens is not None:
+        k = min(k, sp.max_tokens - state.num_output_tokens - 1)
+    return max(0, k)
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -56,12 +55,24 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_len: int) -> None:
         self.config, self.max_len = config, max_len
 
-    def propose(self, requests: Sequence[Request]) -> None:
-        c = self.config
-        for req in requests:
-            k = max_drafts(req, c.num_speculative_tokens, self.max_len) if can_speculate(req) else 0
-            req.spec_token_ids = ngram_lookup(np.asarray(req.all_token_ids, dtype=np.int64), c.prompt_lookup_min,
-                                              c.prompt_lookup_max, k) if k else []
+    def propose(self, states: Sequence[CachedRequestState], batch_size: int) -> dict[str, list[int]]:
+        """Drafts for the requests that just sampled (their tokens already appended)."""
+        c, out = self.config, {}
+        if c.disable_by_batch_size is not None and batch_size >= c.disable_by_batch_size:
+            return out
+        for st in states:
+            k = max_drafts(st, c.num_speculative_tokens, self.max_len)
+            d = ngram_lookup(np.asarray(st.token_ids, dtype=np.int64), c.prompt_lookup_min, c.prompt_lookup_max,
+                             k) if k else []
+            if d:
+                out[st.req_id] = d
+        return out
+
+    def forget(self, req_ids) -> None:
+        pass
+
+    def draft_probs(self, req_id: str) -> None:
+        return None
 
 
 class TruncatedModel(torch.nn.Module):
@@ -90,74 +101,88 @@ class TruncatedModel(torch.nn.Module):
 class DraftModelProposer:
     """k-step drafts from a second model (see the module docstring for its KV layout)."""
 
-    def __init__(self, config: SpeculativeConfig, runner, max_len: int,
-                 get_block_ids: Callable[[str], list[int]]) -> None:
-        self.config, self.runner, self.max_len, self.get_block_ids = config, runner, max_len, get_block_ids
-        self._computed: dict[str, tuple[int, int]] = {}   # request id -> (num_preemptions, draft tokens computed)
+    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, max_len: int) -> None:
+        self.config, self.model, self.block_size, self.device, self.max_len = config, model, block_size, device, max_len
+        # (num_blocks, draft layers, 2, block_size, kv heads, head_dim), addressed by the target's block ids
+        self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
+                                    dtype=dtype, device=device)
+        self._computed: dict[str, int] = {}     # request id -> tokens whose draft KV is computed
+        self._probs: dict[str, torch.Tensor] = {}   # request id -> (k, vocab) q of its sampled drafts
+
+    def forget(self, req_ids) -> None:
+        """Finished or preempted (a resumed request gets new blocks: its draft KV is recomputed)."""
+        for r in req_ids:
+            self._computed.pop(r, None)
+            self._probs.pop(r, None)
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return self._probs.get(req_id)
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request]) -> None:
-        bs = self.runner.block_size
-        todo: list[tuple[Request, int, list[int], int]] = []
-        seen: dict[str, tuple[int, int]] = {}
-        for req in requests:
-            req.spec_token_ids, req.spec_draft_probs = [], None
-            k = max_drafts(req, self.config.num_speculative_tokens, self.max_len) if can_speculate(req) else 0
-            blocks = self.get_block_ids(req.request_id)
-            # Draft decode steps write positions up to num_tokens + k - 2: they need slots.
-            k = min(k, len(blocks) * bs - req.num_tokens + 1)
-            if k <= 0:
+    def propose(self, states: Sequence[CachedRequestState], batch_size: int) -> dict[str, list[int]]:
+        c, bs = self.config, self.block_size
+        todo: list[tuple[CachedRequestState, int, int]] = []
+        for st in states:
+            self._probs.pop(st.req_id, None)
+            if c.disable_by_batch_size is not None and batch_size >= c.disable_by_batch_size:
                 continue
-            gen, done = self._computed.get(req.request_id, (req.num_preemptions, 0))
-            done = done if gen == req.num_preemptions else 0      # preempted: its blocks (and draft KV) are new
-            todo.append((req, k, blocks, done))
-            seen[req.request_id] = (req.num_preemptions, req.num_tokens)
-        self._computed = seen
+            # Draft decode steps write positions up to len(tokens) + k - 2: they need slots.
+            k = min(max_drafts(st, c.num_speculative_tokens, self.max_len), len(st.block_ids) * bs - len(st.token_ids) + 1)
+            if k > 0:
+                # (only tokens the scheduler counts as computed are surely final: a discarded sample is re-fed)
+                todo.append((st, k, min(self._computed.get(st.req_id, 0), st.num_computed_tokens)))
         if not todo:
-            return
-        # Catch up every request in one forward; the last position's logits give draft 1.
-        step = [ScheduledRequest(r.request_id, r.all_token_ids[done:], done, blocks, True)
-                for r, _, blocks, done in todo]
-        reqs = [r for r, _, _, _ in todo]
-        first, q = self._next(step, reqs)
+            return {}
+        # Catch up every request in one forward (prefill, tokens accepted last step); its last logits give draft 1.
+        first, q = self._next([st.token_ids[done:] for st, _, done in todo], [done for _, _, done in todo], todo)
         drafts, probs = [[t] for t in first], [[p] for p in q]
-        for j in range(1, max(k for _, k, _, _ in todo)):
-            live = [i for i, (_, k, _, _) in enumerate(todo) if k > j]
-            step = [ScheduledRequest(reqs[i].request_id, [drafts[i][-1]], reqs[i].num_tokens + j - 1,
-                                     todo[i][2], True) for i in live]
-            for i, t, p in zip(live, *self._next(step, [reqs[i] for i in live])):
+        for st, _, _ in todo:
+            self._computed[st.req_id] = len(st.token_ids)   # draft KV past it is scratch, rewritten next time
+        for j in range(1, max(k for _, k, _ in todo)):
+            live = [i for i, (_, k, _) in enumerate(todo) if k > j]
+            toks, ps = self._next([[drafts[i][-1]] for i in live], [len(todo[i][0].token_ids) + j - 1 for i in live],
+                                  [todo[i] for i in live])
+            for i, t, p in zip(live, toks, ps):
                 drafts[i].append(t)
                 probs[i].append(p)
-        for (req, k, _, _), d, p in zip(todo, drafts, probs):
-            req.spec_token_ids = d[:k]
-            req.spec_draft_probs = None if p[0] is None else torch.stack(p[:k])     # (k, vocab): q for verification
+        out = {}
+        for (st, k, _), d, p in zip(todo, drafts, probs):
+            out[st.req_id] = d[:k]
+            if p[0] is not None:
+                self._probs[st.req_id] = torch.stack(p[:k])                           # (k, vocab)
+        return out
 
-    def _next(self, scheduled: list[ScheduledRequest], reqs: list[Request]) -> tuple[list[int], list]:
+    def _next(self, tokens: list[list[int]], starts: list[int], todo) -> tuple[list[int], list]:
         """One draft token per sequence: greedy rows take the argmax; sampling rows draw from the draft's distribution
         q (same temperature / top-k / top-p / min-p as the target) with the request's generator, and return q."""
-        r = self.runner
-        input_ids, positions, meta = r.build_metadata(SchedulerOutput(scheduled=scheduled))
-        hidden = r.model(input_ids, positions, r.kv_cache, meta)
+        from pdserve.runtime.model_runner import attention_inputs
+
+        input_ids, positions, meta = attention_inputs(tokens, starts, [st.block_ids for st, _, _ in todo],
+                                                      self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         last = meta.query_start_loc[1:].to(torch.int64) - 1
-        logits = r.model.compute_logits(hidden[last]).float()                      # (N, vocab)
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list = [None] * len(reqs)
-        for i, req in enumerate(reqs):
-            sp = req.sampling_params
+        logits = self.model.compute_logits(hidden[last]).float()                      # (N, vocab)
+        out = logits.argmax(dim=-1).tolist()
+        probs: list = [None] * len(todo)
+        for i, (st, _, _) in enumerate(todo):
+            sp = st.sampling_params
             if sp.greedy:
                 continue
+            if sp.seed is not None and st.generator is None:
+                st.generator = torch.Generator(device=logits.device).manual_seed(sp.seed)
             q = _top_k_top_p_min_p(logits[i:i + 1] / sp.temperature, [sp]).softmax(dim=-1)[0]
-            gen = request_generator(req, logits.device)
-            tokens[i] = int((q / torch.empty_like(q).exponential_(generator=gen)).argmax())
+            out[i] = int((q / torch.empty_like(q).exponential_(generator=st.generator)).argmax())
             probs[i] = q
-        return tokens, probs
+        return out, probs
 
 
-def create_proposer(config: SpeculativeConfig, max_len: int, draft_runner=None,
-                    get_block_ids: Callable[[str], list[int]] | None = None):
+def create_proposer(config: SpeculativeConfig, max_len: int, draft: torch.nn.Module | None = None,
+                    num_blocks: int = 0, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                    device: torch.device | None = None):
     if config.method == "ngram":
         return NgramProposer(config, max_len)
-    return DraftModelProposer(config, draft_runner, max_len, get_block_ids)
+    return DraftModelProposer(config, draft, num_blocks, block_size, dtype, device or torch.device("cpu"), max_len)
 
 
 def load_draft_model(config: SpeculativeConfig, engine_config, loaded, device: torch.device) -> torch.nn.Module:

@@ -106,7 +106,7 @@ def test_metrics_exact_with_self_draft(base):
 
     llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=64, speculative_config={
         "method": "draft_model", "model": str(base.engine.model_path), "num_speculative_tokens": 3})
-    assert llm.engine.proposer.runner.model is not llm.engine.model             # really a second model
+    assert llm.engine.runner.proposer.model is not llm.engine.model             # really a second model
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     out = llm.generate("The capital of France is", p)[0]
     assert out.outputs[0].token_ids == base.generate("The capital of France is", p)[0].outputs[0].token_ids

@@ -14,7 +14,9 @@ from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.rejection_sampler import rejection_sample
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.scheduler import SampledToken, Scheduler
+from pdserve.runtime.input_batch import CachedRequestState
+from pdserve.runtime.sched_output import ModelRunnerOutput
+from pdserve.runtime.scheduler import Scheduler
 from pdserve.runtime.spec_config import SpeculativeConfig
 from pdserve.runtime.spec_propose import NgramProposer, ngram_lookup
 
@@ -128,31 +130,43 @@ def add(s: Scheduler, prompt: list[int], max_tokens=16, **sp) -> Request:
     return r
 
 
-def run(s: Scheduler, emitted: list[int]):
-    """One step whose 'model' emits ``emitted`` (accepted drafts + one) for the request."""
+def run(s: Scheduler, emitted: list[int], drafts: list[int] | None = None):
+    """One step whose 'model' emits ``emitted`` (accepted drafts + one) for the request and proposes ``drafts``."""
     out = s.schedule()
-    s.update_from_output(out, {x.request_id: [SampledToken(t) for t in emitted] for x in out.scheduled if x.sample})
+    starts = out.num_computed_tokens()
+    ids = [r for r, n in out.num_scheduled_tokens.items()
+           if starts[r] + n - len(out.scheduled_spec_decode_tokens.get(r, ())) == s.requests[r].num_tokens]
+    s.update_from_output(out, ModelRunnerOutput(ids, [list(emitted) for _ in ids], [None for _ in ids],
+                                                {r: list(drafts) for r in ids} if drafts else {}))
     return out
+
+
+def tokens_of(out, rid: str, r: Request) -> list[int]:
+    """The query tokens the runner builds for ``rid``: its scheduled real tokens, then its drafts."""
+    start, n = out.num_computed_tokens()[rid], out.num_scheduled_tokens[rid]
+    drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+    return r.all_token_ids[start:start + n - len(drafts)] + drafts
 
 
 def test_drafts_are_extra_query_tokens_and_rejections_roll_back():
     s = make()
     r = add(s, [1, 2, 3, 4, 5, 6])
-    run(s, [7])                                            # prefill
-    r.spec_token_ids = [8, 9, 10]
+    run(s, [7], drafts=[8, 9, 10])                         # prefill; the runner proposes 3 drafts
+    assert r.spec_token_ids == [8, 9, 10]
     out = run(s, [8, 11])                                  # draft 8 accepted, 9 rejected -> target's 11
-    sched = out.scheduled[0]
-    assert sched.token_ids == [7, 8, 9, 10] and sched.start_pos == 6 and sched.sample
-    assert out.scheduled_spec_decode_tokens == {"r": [8, 9, 10]}
+    assert tokens_of(out, "r", r)[:1] == [7] and out.num_scheduled_tokens == {"r": 4}
+    assert out.scheduled_spec_decode_tokens == {"r": [8, 9, 10]} and out.num_computed_tokens()["r"] == 6
     assert r.output_token_ids == [7, 8, 11]
     assert r.num_computed_tokens == 8                      # 7 and 8 computed; 9, 10 rolled back; 11 not yet computed
+    assert r.spec_token_ids == []                          # nothing proposed this time
     assert s.spec_stats.num_drafts == 1 and s.spec_stats.num_draft_tokens == 3
     assert s.spec_stats.num_accepted_tokens == 1 and s.spec_stats.num_accepted_tokens_per_pos == [1, 0, 0]
     # Blocks hashed only over computed (= accepted) tokens: 2 full blocks of [1..8], the 3rd (9 ...) not cached.
     assert s.kv.num_cached_blocks["r"] == 2
     r.spec_token_ids = [12]
     out = run(s, [12, 13])                                 # all accepted + bonus
-    assert out.scheduled[0].token_ids == [11, 12] and out.scheduled[0].start_pos == 8
+    assert tokens_of(out, "r", r)[:1] == [11] and out.scheduled_spec_decode_tokens == {"r": [12]}
+    assert out.num_computed_tokens()["r"] == 8
     assert r.num_computed_tokens == 10 and r.output_token_ids == [7, 8, 11, 12, 13]
     assert s.spec_stats.num_accepted_tokens_per_pos == [2, 0, 0]
 
@@ -160,18 +174,22 @@ def test_drafts_are_extra_query_tokens_and_rejections_roll_back():
 def test_drafts_never_overshoot_max_tokens_or_stop():
     s = make()
     r = add(s, [1, 2, 3], max_tokens=4, stop_token_ids=[50])
-    run(s, [7])
-    r.spec_token_ids = [8, 9, 10, 11, 12]
+    run(s, [7], drafts=[8, 9, 10, 11, 12])
     out = s.schedule()
     assert out.scheduled_spec_decode_tokens["r"] == [8, 9]      # 1 output + at most 2 drafts + 1 bonus = 4
-    s.update_from_output(out, {"r": [SampledToken(8), SampledToken(9), SampledToken(5)]})
+    s.update_from_output(out, ModelRunnerOutput(["r"], [[8, 9, 5]], [None], {"r": [1, 2]}))
     assert r.output_token_ids == [7, 8, 9, 5] and r.is_finished and r.status.finish_reason == "length"
+    assert r.spec_token_ids == []                                # a finished request keeps no drafts
     s2 = make()
     r2 = add(s2, [1, 2, 3], stop_token_ids=[50])
-    run(s2, [7])
-    r2.spec_token_ids = [50, 9]
+    run(s2, [7], drafts=[50, 9])
     run(s2, [50, 9, 4])                                          # the stop token ends the run: 9 and 4 dropped
     assert r2.output_token_ids == [7, 50] and r2.stop_reason == 50
+
+
+def _state(rid: str, tokens: list[int], **sp) -> CachedRequestState:
+    return CachedRequestState(rid, tokens, 2, SamplingParams(max_tokens=8, **sp), block_ids=[0, 1],
+                              num_computed_tokens=len(tokens) - 1)
 
 
 def test_no_drafts_outside_decode_or_with_penalties():
@@ -179,21 +197,20 @@ def test_no_drafts_outside_decode_or_with_penalties():
     r = add(s, list(range(1, 10)))
     r.spec_token_ids = [1, 2]
     out = s.schedule()                                           # still prefilling: drafts ignored
-    assert out.scheduled_spec_decode_tokens == {} and len(out.scheduled[0].token_ids) == 4
+    assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {"r": 4}
     prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=3), max_len=128)
-    pen = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2, max_tokens=8), block_size=BS)
-    pen.status, pen.num_computed_tokens = r.status.RUNNING, 3
-    plain = Request("q", [1, 2, 1, 2], SamplingParams(max_tokens=8), block_size=BS)
-    plain.status, plain.num_computed_tokens = r.status.RUNNING, 3
-    prop.propose([pen, plain])
-    assert pen.spec_token_ids == [] and plain.spec_token_ids == [1, 2]
+    got = prop.propose([_state("p", [1, 2, 1, 2], repetition_penalty=1.2), _state("q", [1, 2, 1, 2]),
+                        _state("m", [1, 2, 1, 2], min_tokens=5)], batch_size=3)
+    assert got == {"q": [1, 2]}
+    off = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=3), max_len=128)
+    assert off.propose([_state("q", [1, 2, 1, 2])], batch_size=3) == {}
+    assert off.propose([_state("q", [1, 2, 1, 2])], batch_size=2) == {"q": [1, 2]}
 
 
 def test_budget_caps_drafts():
     s = make(budget=3)
     r = add(s, [1, 2])
-    run(s, [7])
-    r.spec_token_ids = [8, 9, 10]
+    run(s, [7], drafts=[8, 9, 10])
     out = s.schedule()
-    assert out.scheduled_spec_decode_tokens["r"] == [8, 9] and out.num_scheduled_tokens == 3
+    assert out.scheduled_spec_decode_tokens["r"] == [8, 9] and out.total_num_scheduled_tokens == 3
     assert math.isclose(s.kv.usage(), 2 / 32)
