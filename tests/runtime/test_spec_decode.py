@@ -19,6 +19,7 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from pdserve.runtime import LLM, SamplingParams
 from tests.runtime.test_engine_vs_hf import _prompts
@@ -138,7 +139,16 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
 def test_draft_model_sampling_seeded():
     """The draft model samples its drafts from q (accepted with min(1, p/q); the rule itself is tested statistically
     in test_spec_decode_unit.py): seeded requests reproduce, and some drafts are accepted, some rejected."""
-    llm = LLM(dtype="float32", max_model_len=512, num_gpu_blocks=256, speculative_config=DRAFT)
+    from pdserve.runtime.model_runner import kv_block_bytes
+
+    budget = 64 << 20
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=budget, speculative_config=DRAFT)
+    m, d = llm.engine.model, llm.engine.runner.proposer.model
+    per_block = kv_block_bytes(m.num_layers, 16, m.num_kv_heads, m.head_dim, torch.float32) + \
+        kv_block_bytes(d.num_layers, 16, d.num_kv_heads, d.head_dim, torch.float32)
+    assert d.num_layers == DRAFT["draft_num_layers"]
+    # one block id addresses both caches, so the budget pays for both
+    assert llm.engine.runner.kv_cache.shape[0] == llm.engine.runner.proposer.kv_cache.shape[0] == budget // per_block
     params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s, ignore_eos=True) for s in range(8)]
     first = [o.outputs[0].token_ids for o in llm.generate(["a b c d a b c d a b c"] * 8, params)]
     assert [o.outputs[0].token_ids for o in llm.generate(["a b c d a b c d a b c"] * 8, params)] == first
