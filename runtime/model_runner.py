@@ -9,6 +9,7 @@ arrive in the ``SchedulerOutput`` diffs and live in its ``InputBatch``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -32,8 +33,8 @@ class ForwardOutput:
     """What one forward pass leaves for the sampler: the rows that reached the end of their tokens."""
 
     req_ids: list[str]            # requests to sample, in batch order
-    logits: torch.Tensor          # (N, vocab) float32
-    hidden_states: torch.Tensor   # (N, hidden): the last position's hidden state per row (e.g. for a draft model)
+    logits: torch.Tensor          # (N, vocab) float32; N = len(req_ids) + the number of drafts being verified
+    hidden_states: torch.Tensor   # (N, hidden): the hidden state at each of those positions (e.g. for a draft model)
     # request id -> drafts being verified: such a request has len(drafts) + 1 consecutive rows (its positions from
     # the last real token on), the others one row each
     spec: dict[str, list[int]] = field(default_factory=dict)
@@ -127,7 +128,7 @@ class ModelRunner:
             rows = fwd.logits
         else:   # row offsets: a verifying request spans len(drafts) + 1 rows
             sizes = [len(fwd.spec.get(r, ())) + 1 for r in fwd.req_ids]
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
             rows = fwd.logits[[offsets[i] for i in plain]]
             spec_ids = [r for r in fwd.req_ids if r in fwd.spec]
             meta = self.batch.sampling_metadata(spec_ids)
