@@ -35,7 +35,7 @@ EXPIRES_FIELD = "expires_at"
 HANDOFF_HEADER = "x-pdserve-kv-handoff"
 CLOCK_SKEW_S = 5            # tolerated wall-clock difference between pods
 HANDOFF_WINDOW_S = 60       # a handoff header older (or newer) than this is refused
-REJECT_REASONS = ("unsigned", "bad_signature", "expired", "malformed")
+REJECT_REASONS = ("unsigned", "bad_signature", "expired", "malformed", "lora_mismatch")
 _PARAMS_LABEL = b"pdserve-kv-params-v1\n"
 _HANDOFF_LABEL = b"pdserve-kv-handoff-v1\n"
 
@@ -143,6 +143,17 @@ def handoff_denial(secret: bytes | None, header: str | None, body: bytes, *, api
     return ("kv_transfer_params.do_remote_decode (holding KV blocks for a remote decode) is honoured only for the "
             "deployment's router: send the X-PDServe-KV-Handoff header made with the KV secret, or run the pod with "
             "--api-key and send that key")
+
+
+def lora_identity(request: Any) -> dict[str, Any]:
+    """The adapter fields a prefill puts in the params it signs: the decode side must run the same weights."""
+    return {"lora_name": getattr(request, "lora_name", None), "lora_digest": getattr(request, "lora_digest", None)}
+
+
+def lora_mismatch(params: dict[str, Any], request: Any) -> bool:
+    """Whether verified ``params`` were produced under another adapter (or the base model) than ``request`` runs:
+    their KV must never be loaded (the block hashes differ too, since they chain the digest; this names the cause)."""
+    return params.get("lora_digest") != getattr(request, "lora_digest", None)
 
 
 def wants_handoff(params: Any) -> bool:

@@ -103,6 +103,8 @@ class LoadingConnector(KVConnectorBase):
         if not (isinstance(p, dict) and p.get("do_remote_prefill")):
             return None
         reason = kv_auth.verify_params(p, self.secret) if self.secret is not None else None
+        if reason is None and kv_auth.lora_mismatch(p, request):
+            reason = "lora_mismatch"
         if reason is not None:
             self.stats.add(f"kv_params_rejected{{reason={reason}}}")
             logger.warning("%s: ignoring kv_transfer_params of request %s (%s): computing its prompt locally",

@@ -202,7 +202,8 @@ class NixlConnector(LoadingConnector):
         out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                "remote_block_ids": ids, "remote_request_id": request.request_id,
                "remote_host": self.advertise_host, "remote_port": self.port, "tp_size": 1, "connector": self.name,
-               "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]]}
+               "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
+               **kv_auth.lora_identity(request)}
         if not ids:
             self._hashing.pop(request.request_id, None)
             return False, kv_auth.sign_params(out, self.secret, self.leases.lease_s)

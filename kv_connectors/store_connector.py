@@ -220,6 +220,7 @@ class StoreConnector(LoadingConnector):
             "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
             "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
             "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
+            **kv_auth.lora_identity(request),
         }, self.secret, self.params_ttl_s)
 
     def _save_range(self, request: ConnectorRequest, block_ids: list[int], upto: int, *, sync: bool,

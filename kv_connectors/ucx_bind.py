@@ -7,6 +7,11 @@ to the interface holding the configured address plus the host's RDMA ports (RDMA
 would cost the GPU path its fabric). A bind address of ``0.0.0.0``/``::`` means every interface: nothing is changed.
 An operator's own ``UCX_NET_DEVICES`` wins (it is left as is); else the connector's ``ucx_net_devices`` config; else
 the computed value.
+
+Same-host transfers are unaffected: UCX moves a NIXL READ between two processes of one host with CMA
+(``process_vm_readv``, device ``memory``), which ``UCX_NET_DEVICES`` does not filter; only the active-message and
+wire-up lanes use TCP on the bound interface (NIXL asks for peer-failure handling, which the posix/sysv shared-memory
+transports lack, so they are never selected - checked with ``UCX_PROTO_INFO=y``, UCX 1.23 in nixl 1.5.1).
 """
 
 from __future__ import annotations

@@ -47,6 +47,14 @@ class ModelSpec(_Model):
     auth_secret_ref: SecretKeyRef | None = Field(None, description="Hub token for hf:// models (exported as HF_TOKEN).")
 
 
+class LoRASpec(_Model):
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.:]*$",
+                      description="The adapter's name in the API (the OpenAI `model` field of its requests).")
+    uri: str = Field(max_length=1024, pattern=r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|/.+)$",
+                     description="A PEFT adapter directory: pvc://claim/path/in/claim or an absolute path in the "
+                     "image.")
+
+
 class Resources(_Model):
     requests: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
     limits: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
@@ -176,11 +184,16 @@ class InferenceServiceSpec(_Model):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec,
                                         json_schema_extra={"default": {"connector": "nixl"}})  # CEL checks defaults
     autoscaling: AutoscalingSpec | None = None
+    loras: list[LoRASpec] | None = Field(None, max_length=64, description="LoRA adapters every runtime pod of both "
+                                         "roles serves (`--enable-lora --lora-modules`); names must be unique.")
 
     @model_validator(mode="after")
     def _autoscaled_pools_exist(self) -> InferenceServiceSpec:
         if self.autoscaling and self.autoscaling.prefill and self.prefill is None:
             raise ValueError("autoscaling.prefill requires spec.prefill")
+        names = [lora.name for lora in self.loras or []]
+        if len(set(names)) != len(names) or self.model.name in names:
+            raise ValueError("spec.loras names must be unique and differ from spec.model.name")
         return self
 
 

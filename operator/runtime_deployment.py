@@ -50,6 +50,27 @@ def model_source(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, 
     return ["--model", uri], [], []
 
 
+def lora_source(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(LoRA args, volumes, mounts) for spec.loras: every adapter resident (``--max-loras`` = their number); one
+    read-only volume per distinct claim, mounted under the models mount."""
+    loras = spec.loras or []
+    if not loras:
+        return [], [], []
+    modules, volumes, mounts, claims = [], [], [], {}
+    for lora in loras:
+        path = lora.uri
+        if path.startswith("pvc://"):
+            claim, _, sub = path.removeprefix("pvc://").partition("/")
+            if claim not in claims:
+                vol = claims[claim] = f"lora-{len(claims)}"
+                volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+                mounts.append({"name": vol, "mountPath": f"{names.MODELS_MOUNT}/lora/{claim}", "readOnly": True})
+            path = f"{names.MODELS_MOUNT}/lora/{claim}/{sub}".rstrip("/")
+        modules.append(f"{lora.name}={path}")
+    n = str(len(loras))
+    return ["--enable-lora", "--max-loras", n, "--max-cpu-loras", n, "--lora-modules", *modules], volumes, mounts
+
+
 def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_args: list[str]) -> list[str]:
     args = ["serve", *model_args, "--host", "0.0.0.0", "--port", str(names.RUNTIME_PORT), "--role", role,
             "--served-model-name", spec.model.name]
@@ -64,7 +85,7 @@ def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_arg
         args += ["--kv-connector", spec.kv_transfer.connector, "--kv-connector-config", config]
     args += ["--kv-events-port", str(names.KV_EVENTS_PORT), "--kv-events-replay-port", str(names.KV_EVENTS_REPLAY_PORT),
              "--kv-events-host", f"$({POD_IP_ENV})"]  # routers in other pods subscribe
-    return args + list(rt.extra_args or [])
+    return args + lora_source(spec)[0] + list(rt.extra_args or [])
 
 
 def serve_env(name: str, spec: InferenceServiceSpec, rt: RuntimeSpec) -> list[dict[str, Any]]:
@@ -90,7 +111,8 @@ def build_runtime_deployment(name: str, namespace: str, spec: InferenceServiceSp
     rt = effective_runtime(spec, pool)
     model_args, model_volumes, model_mounts = model_source(spec)
     volumes, mounts = pod.writable_volumes()
-    volumes, mounts = volumes + model_volumes, mounts + model_mounts
+    _, lora_volumes, lora_mounts = lora_source(spec)
+    volumes, mounts = volumes + model_volumes + lora_volumes, mounts + model_mounts + lora_mounts
     if spec.kv_transfer.connector == "disk" and uses_connector(spec, role):
         assert spec.kv_transfer.disk is not None
         volumes.append({"name": "kv", "persistentVolumeClaim": {"claimName": spec.kv_transfer.disk.claim_name}})

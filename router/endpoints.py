@@ -29,7 +29,7 @@ class EndpointSpec:
 
 class Endpoint:
     __slots__ = ("url", "role", "kv_events", "healthy", "breaker", "in_flight", "waiting", "running", "kv_usage",
-                 "kv_fingerprint")
+                 "kv_fingerprint", "lora_running", "lora_waiting", "max_loras", "base_model")
 
     def __init__(self, spec: EndpointSpec, breaker: CircuitBreaker):
         self.url = spec.url
@@ -42,6 +42,10 @@ class Endpoint:
         self.running = 0.0         # vllm:num_requests_running (scraped)
         self.kv_usage = 0.0        # vllm:kv_cache_usage_perc in [0, 1] (scraped)
         self.kv_fingerprint: str | None = None  # from /health; P/D pairs only equal ones (drain_signal.compatible)
+        self.lora_running: frozenset[str] = frozenset()  # vllm:lora_requests_info (scraped; plugins/lora_affinity.py)
+        self.lora_waiting: frozenset[str] = frozenset()
+        self.max_loras = 0                                # 0: the pod serves no adapters
+        self.base_model: str | None = None                # model_name label of the pod's load metrics
 
     @property
     def routable(self) -> bool:

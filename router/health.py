@@ -17,6 +17,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.drain_signal import fingerprint_from_health
 from pdserve.router.endpoints import Endpoint, EndpointPool
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.plugins.lora_affinity import parse_lora_info
 from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class HealthMonitor:
             if healthy:
                 async with self.session.get(ep.url + "/metrics") as r:
                     if r.status == 200:
-                        for attr, value in parse_load(await r.text()).items():
+                        text = await r.text()
+                        for attr, value in {**parse_load(text), **parse_lora_info(text)}.items():
                             setattr(ep, attr, value)
         except asyncio.TimeoutError:
             slow, healthy = True, ep.healthy

@@ -2,7 +2,8 @@
 
 | policy            | filters            | scorers (weight)                                                       | picker       |
 |-------------------|--------------------|------------------------------------------------------------------------|--------------|
-| precise-prefix    | health, load-guard | precise-prefix 3, route-history 1, queue 2, kv-usage 2, in-flight 1    | max-score    |
+| precise-prefix    | health, load-guard | precise-prefix 3, route-history 1, queue 2, kv-usage 2, in-flight 1,   | max-score    |
+|                   |                    | lora-affinity 2 (0 everywhere for base-model requests)                      |              |
 | round-robin       | health             | -                                                                      | round-robin  |
 | least-loaded      | health             | -                                                                      | least-loaded |
 | session-affinity  | health             | session-affinity 10, in-flight 1                                       | max-score    |
@@ -17,7 +18,7 @@ from pdserve.router.framework import Profile, create
 from pdserve.router.prefix_index import PrefixIndex
 
 DEFAULT_WEIGHTS = {"precise-prefix": 3.0, "route-history": 1.0, "queue": 2.0, "kv-usage": 2.0, "in-flight": 1.0,
-                   "session-affinity": 10.0}
+                   "session-affinity": 10.0, "lora-affinity": 2.0}
 
 
 def needs_tokens(policy: str) -> bool:
@@ -32,7 +33,8 @@ def build_profile(cfg: RouterConfig, index: PrefixIndex) -> Profile:
         guard = create("load-guard", abs_threshold=cfg.balance_abs_threshold, rel_threshold=cfg.balance_rel_threshold)
         scorers = [(create("precise-prefix", index=index), w["precise-prefix"]),
                    (create("route-history", index=index), w["route-history"]), (create("queue"), w["queue"]),
-                   (create("kv-usage"), w["kv-usage"]), (create("in-flight"), w["in-flight"])]
+                   (create("kv-usage"), w["kv-usage"]), (create("in-flight"), w["in-flight"]),
+                   (create("lora-affinity"), w["lora-affinity"])]
         return Profile([health, guard], scorers, create("max-score"))
     if cfg.policy == "round-robin":
         return Profile([health], [], create("round-robin"))

@@ -28,7 +28,7 @@ from pdserve.router.pd import client_body, decode_body, kv_secret, run_prefill
 from pdserve.router.policies import build_profile, needs_tokens
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prompt import PromptTokenizer, block_hashes, estimate_tokens
-from pdserve.router.responses import Send, send_bytes, send_error
+from pdserve.router.responses import Send, send_bytes, send_error, send_json
 from pdserve.router.upstream import Attempt, Upstream, UpstreamFailure
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,14 @@ class Router:
         return await relay(att, send, request_id)
 
     async def forward_get(self, path: str, request_id: str, send: Send) -> str:
-        """GET passthrough (``/v1/models``) to any routable pod, with retries."""
+        """GET passthrough (``/v1/models``) to any routable pod, with retries; for ``/v1/models`` with several pods,
+        the union of their models (LoRA adapters differ per pod) by ``id``."""
         pods = lambda: [p for p in self.pool if p.routable]  # noqa: E731
+        if path == "/v1/models" and len(pods()) > 1:
+            merged = await self._models_union(pods(), request_id)
+            if merged is not None:
+                await send_json(send, 200, merged, [(b"x-request-id", request_id.encode())])
+                return "ok"
 
         def pick(exclude: set[str]) -> Endpoint | None:
             cands = [p for p in pods() if p.url not in exclude]
@@ -177,6 +183,32 @@ class Router:
             await send_error(send, 503, f"no endpoint available: {e}", code="no_endpoint", retry_after=5)
             return "no_endpoint"
         return await relay(att, send, request_id)
+
+
+    async def _models_union(self, pods: list[Endpoint], request_id: str) -> dict[str, Any] | None:
+        """Every pod's /v1/models, merged by model id (first answer wins); None when no pod answered with a list."""
+        async def one(ep: Endpoint) -> list[dict[str, Any]]:
+            try:
+                att = await self.upstream.dispatch("any", lambda tried: None if tried else ep, "GET", "/v1/models",
+                                                   None, {"x-request-id": request_id}, retries=0)
+            except UpstreamFailure:
+                return []
+            try:
+                data = json.loads(await att.resp.read()) if att.resp.status == 200 else {}
+                return [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            except (ValueError, AttributeError):
+                return []
+            finally:
+                att.finish()
+
+        answers = await asyncio.gather(*(one(ep) for ep in pods))
+        if not any(answers):
+            return None
+        models: dict[str, dict[str, Any]] = {}
+        for data in answers:
+            for m in data:
+                models.setdefault(m["id"], m)
+        return {"object": "list", "data": list(models.values())}
 
 
 async def relay(att: Attempt, send: Send, request_id: str) -> str:

@@ -7,7 +7,7 @@ A full block of ``block_size`` token ids is identified by
 so any process, in any language, that knows the seed reproduces the same hashes (the router scores pods by them and
 the KV connectors store blocks under them). Only full blocks are hashed. ``extra_keys`` separates caches that must
 never share KV: the ``cache_salt`` (first block only; its hash then flows into every later block through the chain)
-and, later, adapter names.
+and the LoRA adapter's weight digest (not its name: other weights under the same name never share KV).
 
 NONE_HASH is derived from ``PDSERVE_HASH_SEED`` (default ``"pdserve"``). Every process of one deployment must use the
 same seed, or no hash ever matches; different seeds isolate deployments from each other.
@@ -39,11 +39,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
     return hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
-    """Extra keys of block ``block_index``: the cache salt goes into the first block only."""
-    if block_index == 0 and cache_salt:
-        return ("salt", cache_salt)
-    return None
+def block_extra_keys(block_index: int, cache_salt: str | None, lora_digest: str | None = None) -> tuple | None:
+    """Extra keys of block ``block_index``: the cache salt and the LoRA digest go into the first block only (the
+    chain carries them into every later block)."""
+    if block_index != 0:
+        return None
+    keys = (("salt", cache_salt) if cache_salt else ()) + (("lora", lora_digest) if lora_digest else ())
+    return keys or None
 
 
 def hash_token_blocks(
@@ -52,6 +54,7 @@ def hash_token_blocks(
     cache_salt: str | None = None,
     parent: BlockHash | None = None,
     start_block: int = 0,
+    lora_digest: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` (a trailing partial block is not hashed).
 
@@ -61,7 +64,7 @@ def hash_token_blocks(
     hashes: list[BlockHash] = []
     for i in range(len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size],
-                            block_extra_keys(start_block + i, cache_salt))
+                            block_extra_keys(start_block + i, cache_salt, lora_digest))
         hashes.append(parent)
     return hashes
 

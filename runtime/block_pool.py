@@ -121,7 +121,7 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None,
-                    token_ids: Sequence[int]) -> bool:
+                    token_ids: Sequence[int], lora_name: str | None = None) -> bool:
         """Publish a full, computed block under its hash. False when another block already holds that hash (the
         block then stays private and is simply freed later)."""
         if not self.enable_caching or block.block_hash is not None:
@@ -130,7 +130,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size))
+        self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, lora_name))
         return True
 
     def uncache_block(self, block: KVBlock) -> None:

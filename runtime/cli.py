@@ -134,6 +134,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": ..., '
                         '"num_speculative_tokens": 3}; greedy output never changes')
 
+    _add_lora_flags(p.add_argument_group("LoRA adapters"))
+
     k = p.add_argument_group("KV transfer (disaggregation) and KV events")
     k.add_argument("--kv-connector", choices=["nixl", "redis", "disk"], default=None,
                    help="connector moving KV between prefill and decode pods")
@@ -155,6 +157,45 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+# ---- flags -------------------------------------------------------------------------------------------------------------
+def _lora_module(text: str) -> dict[str, str | None]:
+    """``name=path`` or a JSON object ``{"name", "path", "base_model_name"?}`` (argparse type)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not valid JSON: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError('--lora-modules JSON needs string "name" and "path"')
+        return {"name": value["name"], "path": value["path"], "base_model_name": value.get("base_model_name")}
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path or JSON, got {text!r}")
+    return {"name": name, "path": path, "base_model_name": None}
+
+
+def _add_lora_flags(group: Any) -> None:
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (batched multi-LoRA)")
+    group.add_argument("--max-loras", type=_positive, default=None,
+                       help="adapters resident on the device at once; one step batches at most this many (default 1)")
+    group.add_argument("--max-lora-rank", type=_positive, default=None, help="largest adapter rank accepted (default 64)")
+    group.add_argument("--max-cpu-loras", type=_positive, default=None,
+                       help="adapters kept loaded in CPU memory, LRU (default: --max-loras)")
+    group.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None,
+                       help='adapters to serve: name=path, or JSON {"name", "path", "base_model_name"}')
+
+
+def _lora_options(args: argparse.Namespace) -> dict[str, Any]:
+    enable = bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None))
+    if not enable:
+        return {}
+    from pdserve.runtime.config import LoRAModule
+
+    return dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras,
+                lora_modules=tuple(LoRAModule(**m) for m in args.lora_modules or ()))
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flat options for ``EngineConfig.from_options`` (None values fall back to the config defaults)."""
     return dict(
@@ -166,7 +207,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
-        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_load_failure_policy=args.kv_load_failure_policy, **_lora_options(args),
         speculative_config=getattr(args, "speculative_config", None))
 
 

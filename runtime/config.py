@@ -54,11 +54,32 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str                              # a PEFT directory (adapter_config.json + adapter_model.safetensors)
+    base_model_name: str | None = None     # reported as the adapter's ``parent`` in /v1/models
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False              # wrap the projections for batched multi-LoRA (runtime/lora_manager.py)
+    max_loras: int = 1                     # adapters resident on the device at once (slots); one step uses <= this
+    max_lora_rank: int = 64                # largest rank accepted; the slot tensors are padded to it
+    max_cpu_loras: int | None = None       # adapters kept loaded in CPU memory (LRU); None -> max_loras
+    lora_modules: tuple[LoRAModule, ...] = ()  # registered at start (--lora-modules); a broken one stops the start
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < 1):
+            raise ValueError("max_loras, max_lora_rank and max_cpu_loras must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: str | None = None   # None -> auto (flash-attn on CUDA when importable, else triton on CUDA, else torch)
     device: str | None = None              # None -> cuda if available else cpu
     speculative_config: SpeculativeConfig | None = None  # None -> no speculative decoding (runtime/spec_config.py)
@@ -66,7 +87,7 @@ class EngineConfig:
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
         """Build from flat keyword options (the `LLM(...)` and CLI surface), routing each to its section."""
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
         kv: dict[str, Any] = {}
@@ -90,4 +111,5 @@ class EngineConfig:
             else:
                 raise TypeError(f"unknown engine option {key!r}")
         return cls(model=ModelConfig(**parts["model"]), cache=CacheConfig(**parts["cache"]),
-                   scheduler=SchedulerConfig(**parts["scheduler"]), kv_transfer=KVTransferConfig(**kv), **top)
+                   scheduler=SchedulerConfig(**parts["scheduler"]), kv_transfer=KVTransferConfig(**kv),
+                   lora=LoRAConfig(**parts["lora"]), **top)

@@ -46,6 +46,8 @@ class EngineStats:
     kv_load_failures: int
     recomputed_tokens: int
     num_blocks: int = 0
+    running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
+    waiting_lora_adapters: list[str] | None = None
     spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off
 
 
@@ -90,13 +92,21 @@ class LLMEngine:
             block_bytes += kv_block_bytes(draft.num_layers, block_size, draft.num_kv_heads, draft.head_dim, self.dtype)
         num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device)
         self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device)
+        self.lora = None
+        if config.lora.enable_lora:
+            from pdserve.runtime.lora_manager import LoRAManager
+
+            self.lora = self.runner.lora = LoRAManager(m, config.lora, self.device, self.dtype)
+            for mod in config.lora.lora_modules:
+                self.lora.add(mod.name, mod.path, mod.base_model_name)
         self.connector = None
         kvt = config.kv_transfer
         if kvt.connector:
             self.connector = create_connector(kvt.connector, kvt.role, dict(kvt.config), self.kv_cache_spec)
             self.connector.register_kv_caches(self.runner.kv_cache)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len, self.connector,
-                                   kvt.load_failure_policy)
+                                   kvt.load_failure_policy,
+                                   config.lora.max_loras if config.lora.enable_lora else None)
         if spec is not None:
             self.runner.proposer = create_proposer(spec, self.scheduler.max_len, draft, num_blocks, block_size,
                                                    self.dtype, self.device)
@@ -121,9 +131,9 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, kv_transfer_params: dict | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_name: str | None = None) -> None:
         """Queue a request. Raises ValueError for a duplicate id or anything ``validation.check_request`` refuses
-        (an ``InvalidParam`` naming the field)."""
+        (an ``InvalidParam`` naming the field); ``LoRANotFound`` (a KeyError) for an unknown ``lora_name``."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if request_id in self._requests or request_id in self._parents or request_id in self._child_of:
@@ -141,11 +151,20 @@ class LLMEngine:
             if any(cid in self._requests for cid, _ in children):
                 raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
         # Build everything before registering anything: a failure must leave no trace.
-        reqs = [Request(rid, token_ids, p, block_size=self.config.cache.block_size, eos_token_id=self.eos_token_id,
-                        prompt=prompt_text, priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
-                        kv_transfer_params=kv_transfer_params, max_tokens=max_tokens) for rid, p in children]
-        detoks = [IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
-                                         p.include_stop_str_in_output) for _, p in children]
+        adapters = self._acquire_loras(lora_name, len(children))
+        try:
+            reqs = [Request(rid, token_ids, p, block_size=self.config.cache.block_size,
+                            eos_token_id=self.eos_token_id, prompt=prompt_text, priority=priority,
+                            arrival_time=arrival_time, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+                            max_tokens=max_tokens, lora=a)
+                    for (rid, p), a in zip(children, adapters)]
+            detoks = [IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
+                                             p.include_stop_str_in_output) for _, p in children]
+        except BaseException:
+            for a in adapters:
+                if a is not None:
+                    self.lora.release(a)
+            raise
         if params.n > 1:
             self._parents[request_id] = _Parent(request_id, params.n)
             self._child_of.update({req.request_id: (request_id, i) for i, req in enumerate(reqs)})
@@ -153,6 +172,27 @@ class LLMEngine:
             self._requests[req.request_id] = req
             self._detok[req.request_id] = detok
             self.scheduler.add_request(req)
+
+    def _acquire_loras(self, lora_name: str | None, n: int) -> list:
+        """The adapter of each of ``n`` child requests (pinned until they are forgotten); Nones for the base model."""
+        if lora_name is None:
+            return [None] * n
+        if self.lora is None:
+            from pdserve.runtime.lora_manager import LoRANotFound
+
+            raise LoRANotFound(f"The model `{lora_name}` does not exist (LoRA is not enabled: --enable-lora).")
+        return [self.lora.acquire(lora_name) for _ in range(n)]
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None):
+        """Register (and load) a LoRA adapter; LoRAError with the reason if it cannot be served."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start with --enable-lora)")
+        return self.lora.add(name, path, base_model_name)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start with --enable-lora)")
+        self.lora.remove(name)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now (their blocks are freed at once); unknown or finished ids are ignored."""
@@ -309,7 +349,9 @@ class LLMEngine:
                              metrics=metrics, error=req.error)
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.lora is not None and self.lora is not None:
+            self.lora.release(req.lora)
         self._detok.pop(request_id, None)
 
     # ---- introspection -----------------------------------------------------------------------------------------------
@@ -320,6 +362,8 @@ class LLMEngine:
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
                            recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks,
+                           running_lora_adapters=sorted({r.lora_name for r in s.running if r.lora is not None}),
+                           waiting_lora_adapters=sorted({r.lora_name for r in s.waiting if r.lora is not None}),
                            spec_decode=s.spec_stats.snapshot() if self.runner.proposer is not None else None)
 
     def take_kv_events(self) -> list[KVEvent]:

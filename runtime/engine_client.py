@@ -16,6 +16,7 @@ if TYPE_CHECKING:   # types only: importing this module must not import torch
     from pdserve.kv_connectors.base import KVCacheSpec, KVConnectorBase
     from pdserve.runtime.config import EngineConfig
     from pdserve.runtime.kv_events import KVEvent
+    from pdserve.runtime.lora_manager import LoRAManager
     from pdserve.runtime.outputs import RequestOutput
     from pdserve.runtime.sampling_params import SamplingParams
     from pdserve.runtime.validation import RequestLimits
@@ -40,6 +41,7 @@ class EngineClient(Protocol):
     weight_bytes: int                  # bytes the weights occupy (``pdserve:model_weight_bytes``)
     kv_cache_spec: KVCacheSpec         # layout of the KV cache (its fingerprint pairs prefill and decode pods)
     connector: KVConnectorBase | None  # the KV connector, if any (its counters are exported on ``/metrics``)
+    lora: LoRAManager | None           # the adapters, when LoRA is enabled (its registry may be read from any thread)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation; ``ValueError``/``TypeError``/jinja ``TemplateError`` if the template refuses it.
@@ -48,8 +50,17 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, kv_transfer_params: dict | None = None,
-                    arrival_time: float | None = None) -> None:
-        """*Engine thread.* Queue a request; ``ValueError`` (``InvalidParam``) for input the engine refuses."""
+                    arrival_time: float | None = None, lora_name: str | None = None) -> None:
+        """*Engine thread.* Queue a request; ``ValueError`` (``InvalidParam``) for input the engine refuses,
+        ``LoRANotFound`` (a ``KeyError``) for an adapter it does not have."""
+        ...
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> Any:
+        """Register and load a LoRA adapter (any thread); ``LoRAError`` (a ``ValueError``) with the reason."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter (any thread); ``LoRANotFound`` when unknown. Running requests keep their weights."""
         ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -49,3 +49,10 @@ def upstream_api_key() -> str | None:
 def cache_salt_secret() -> str | None:
     """Router secret that derives tenant cache salts (PDSERVE_CACHE_SALT_SECRET; ``--cache-salt-secret`` wins)."""
     return os.environ.get("PDSERVE_CACHE_SALT_SECRET") or None
+
+
+def allow_runtime_lora_updating() -> bool:
+    """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist (PDSERVE_ALLOW_RUNTIME_LORA_UPDATING, or vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as in vLLM."""
+    value = os.environ.get("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")

@@ -92,7 +92,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(start, end):
             parent = hashes[i - 1] if i else None
-            self.pool.cache_block(blocks[i], hashes[i], parent, request.all_token_ids[i * bs:(i + 1) * bs])
+            self.pool.cache_block(blocks[i], hashes[i], parent, request.all_token_ids[i * bs:(i + 1) * bs],
+                                  request.lora_name)
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     def invalidate_from(self, request: Request, block_index: int) -> None:

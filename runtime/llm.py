@@ -30,20 +30,25 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_name: str | None | list[str | None] = None) -> list[RequestOutput]:
         """Submit every prompt, step until all finish, return the outputs in input order. A flat list of ints is one
-        tokenized prompt; ``sampling_params`` may be one for all or one per prompt."""
+        tokenized prompt; ``sampling_params`` may be one for all or one per prompt, and so may ``lora_name`` (an
+        adapter registered with ``llm.engine.add_lora``; None = the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora names for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_name=lora)
                 ids.append(rid)
             return self._run(ids)
         except BaseException:

@@ -160,6 +160,11 @@ class ServerMetrics:
     def set_engine_stats(self, stats: Any) -> None:
         self._stats.stats = stats
 
+    @property
+    def latest_stats(self) -> Any:
+        """The EngineStats last published by the engine thread (None before the first)."""
+        return self._stats.stats
+
     def set_connector_metrics(self, values: dict[str, float], connector: str | None = None) -> None:
         self._connector.values = dict(values)
         self._connector.connector = connector

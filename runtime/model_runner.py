@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,7 @@ class ModelRunner:
         self.batch = InputBatch(device)
         self.sampler = Sampler(device)
         self.proposer = None      # speculative decoding: proposes drafts after sampling (runtime/spec_propose.py)
+        self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
@@ -102,8 +104,11 @@ class ModelRunner:
             return None
         spec = out.scheduled_spec_decode_tokens
         input_ids, positions, meta = self.build_metadata(req_ids, out.num_scheduled_tokens, spec)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)                       # (T, hidden)
         states = self.batch.requests
+        lora = nullcontext() if self.lora is None else self.lora.step_context(
+            [states[r].lora_id for r in req_ids], meta.query_lens_cpu, self.device)
+        with lora:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)                   # (T, hidden)
         rows = [i for i, r in enumerate(req_ids)
                 if states[r].num_computed_tokens + out.num_scheduled_tokens[r] - len(spec.get(r, ()))
                 >= len(states[r].token_ids)]

@@ -19,7 +19,14 @@ Compute dtype and kernel (kernels/linear_*.py, picked by the registry):
   ``int8_cpu``): torch's int4 CPU kernel is vectorized for bfloat16 only. Fast, close, not exact.
 * ``--dtype float32`` runs ``dequant``: codes stay quantized, each forward rebuilds the float32 weight bit for bit as
   the reference dequantization does, then the dense GEMM - greedy output equals transformers on the dequantized
-  weights token for token, by construction.
+  weights token for token, by construction; ~4.8x smaller than float32, but each step rebuilds the float weights.
+
+Why the bf16 kernels miss the >= 95% free-running greedy agreement of issue 14 (measured 2026-11-23, 8 parity prompts,
+32 tokens): int4 73% against transformers float32 and 79% against transformers bfloat16 on the same weights (the dense
+bf16 engine: 79% / 92.5%). torch's float32-activation int4/int8 CPU kernels exist but are scalar loops (~25x / ~12x a
+dense float32 GEMM). A float32 model calling the bf16 int4 kernel four times (activations and scales each split into
+bf16 high + low parts, float32 sum; LM head float32) agreed 100%, but costs four kernel calls; splitting only
+activations or only scales: 86%, so the bf16 rounding of scales and zeros matters as much as that of activations.
 """
 
 from __future__ import annotations
@@ -114,8 +121,10 @@ class QuantEmbedding(nn.Module):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights really occupy: parameters plus persistent buffers (packed codes, scales)."""
-    total = sum(p.nbytes for p in model.parameters())
+    """Bytes the model's weights really occupy: parameters plus persistent buffers (packed codes, scales), a tensor
+    shared by two modules counted once (the ``dequant`` tied LM head reads the embedding's own codes and scales)."""
+    tensors = list(model.parameters())
     for mod in model.modules():
-        total += sum(b.nbytes for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)
-    return total
+        tensors += [b for n, b in mod.named_buffers(recurse=False)
+                    if b is not None and n not in mod._non_persistent_buffers_set]
+    return sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in tensors})

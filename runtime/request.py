@@ -46,6 +46,7 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        lora: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -58,6 +59,7 @@ class Request:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         self.block_size = block_size
+        self.lora = lora                   # the LoRAAdapter it runs with (runtime/lora_manager.py), None = base model
 
         self.all_token_ids: list[int] = list(prompt_token_ids)   # prompt + output; the tokens KV is computed for
         self.output_token_ids: list[int] = []
@@ -75,7 +77,16 @@ class Request:
         self.kv_transfer: dict[str, Any] = {}   # the connector's record of a remote-KV load (for tracing)
         self.spec_token_ids: list[int] = []     # draft tokens to verify next step (runtime/spec_propose.py)
         # Chained hashes of every full block of all_token_ids, extended as tokens are appended.
-        self._block_hashes: list[BlockHash] = hash_token_blocks(self.all_token_ids, block_size, cache_salt)
+        self._block_hashes: list[BlockHash] = hash_token_blocks(self.all_token_ids, block_size, cache_salt,
+                                                                    lora_digest=self.lora_digest)
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
+
+    @property
+    def lora_digest(self) -> str | None:
+        return None if self.lora is None else self.lora.digest
 
     # ---- counters ----------------------------------------------------------------------------------------------
     @property
@@ -111,7 +122,8 @@ class Request:
             start = len(self._block_hashes)
             parent = self._block_hashes[-1] if self._block_hashes else None
             self._block_hashes += hash_token_blocks(
-                self.all_token_ids[start * self.block_size:], self.block_size, self.cache_salt, parent, start)
+                self.all_token_ids[start * self.block_size:], self.block_size, self.cache_salt, parent, start,
+                self.lora_digest)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past ``num_output_tokens`` (accepted drafts after a stop string; the request finishes)."""

@@ -18,6 +18,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from pdserve.kv_connectors import kv_auth
+from pdserve.runtime import lora_routes
 from pdserve.runtime.json_body import raw_body
 from pdserve.runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from pdserve.runtime.sampling_params import SamplingParams
@@ -31,12 +32,12 @@ class EngineInput:
 
     prompt_ids: list[int]
     params: SamplingParams   # max_tokens resolved: the rest of the context when the client gave none
+    lora_name: str | None = None   # the LoRA adapter ``model`` selects (None: the base model)
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.model_names:
-        raise ApiError(400, f"model {model!r} not found; this server serves {state.engine.served_model_name!r}",
-                       param="model", code="model_not_found")
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model); ApiError for an unknown model (runtime/lora_routes.py)."""
+    return lora_routes.resolve(state.engine, model, state.model_names)
 
 
 def check_tokens(state: ServerState, ids: list[int], param: str) -> None:
@@ -61,16 +62,17 @@ async def chat_ids(state: ServerState, messages: list[dict[str, str]], add_gener
 
 
 async def completion_input(state: ServerState, req: CompletionRequest) -> EngineInput:
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     prompt = req.single_prompt()
     # a string is tokenized as the engine does (no special tokens added)
     ids = await text_ids(state, prompt, False) if isinstance(prompt, str) else list(prompt)
-    return checked(state, req, ids)
+    return replace(checked(state, req, ids), lora_name=lora)
 
 
 async def chat_input(state: ServerState, req: ChatCompletionRequest) -> EngineInput:
-    check_model(state, req.model)
-    return checked(state, req, await chat_ids(state, req.message_dicts(), req.add_generation_prompt))
+    lora = check_model(state, req.model)
+    inp = checked(state, req, await chat_ids(state, req.message_dicts(), req.add_generation_prompt))
+    return replace(inp, lora_name=lora)
 
 
 def checked(state: ServerState, req: SamplingRequest, prompt_ids: list[int]) -> EngineInput:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__, tracing
 from pdserve.runtime import drain as drain_mod
+from pdserve.runtime import lora_routes
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime import request_mapping as mapping
 from pdserve.runtime import streaming
@@ -108,7 +109,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
         return {"object": "list", "data": [{
             "id": engine.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve",
             "root": engine.config.model.model or engine.served_model_name, "parent": None,
-            "max_model_len": engine.max_model_len}]}
+            "max_model_len": engine.max_model_len}, *lora_routes.model_cards(engine, state.created)]}
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -138,6 +139,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request))
         return await _serve(request, state, builder, "chat", req, await mapping.chat_input(state, req))
 
+    lora_routes.install_routes(app, state, guarded, read_json)
     return app
 
 
@@ -154,7 +156,10 @@ async def _serve(request: Request, state: ServerState, builder: ResponseBuilder,
     arrival = time.monotonic()
     try:
         stream = await ae.add(rid, inp.prompt_ids, inp.params, priority=req.priority, cache_salt=req.cache_salt,
-                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time())
+                              kv_transfer_params=req.kv_transfer_params, arrival_time=time.time(),
+                              **({"lora_name": inp.lora_name} if inp.lora_name is not None else {}))
+    except KeyError as e:   # LoRANotFound: the adapter was unloaded since the request was checked
+        raise ApiError(404, str(e), param="model", code="model_not_found") from None
     except InvalidParam as e:
         raise req.api_error(e) from None
     except ValueError as e:

@@ -27,7 +27,8 @@ from pdserve.runtime.spec_stats import SpecDecodingStats
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 connector: KVConnectorBase | None = None, load_failure_policy: str = "recompute") -> None:
+                 connector: KVConnectorBase | None = None, load_failure_policy: str = "recompute",
+                 max_loras: int | None = None) -> None:
         self.config = config
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
@@ -36,6 +37,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
         self.load_failure_policy = load_failure_policy
+        self.max_loras = max_loras                    # distinct LoRA adapters among running requests (device slots)
         self.requests: dict[str, Request] = {}        # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -162,7 +164,8 @@ class Scheduler:
         if sent == -1:
             out.scheduled_new_reqs.append(NewRequestData(
                 rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params, req.eos_token_id, ids,
-                req.num_computed_tokens))
+                req.num_computed_tokens, lora_id=req.lora.int_id if req.lora is not None else 0,
+                lora_name=req.lora_name))
         else:
             resumed = sent is None
             out.scheduled_cached_reqs.append(CachedRequestData(
@@ -181,7 +184,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._pop_waiting()
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or not self._lora_fits(req):
                 skipped.append(req)
                 continue
             hits: list = []
@@ -229,6 +232,13 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Running requests use at most ``max_loras`` distinct adapters, so every step's adapters fit the slots."""
+        if self.max_loras is None or req.lora is None:
+            return True
+        active = {r.lora.int_id for r in self.running if r.lora is not None}
+        return req.lora.int_id in active or len(active) < self.max_loras
 
     def _pop_waiting(self) -> Request:
         if self.config.policy == "priority":

@@ -6,6 +6,7 @@ from pdserve.router.plugins import (  # noqa: F401
     kv_usage_scorer,
     least_loaded,
     load_guard,
+    lora_affinity,
     max_score,
     precise_prefix,
     queue_scorer,

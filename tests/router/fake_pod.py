@@ -45,6 +45,8 @@ class FakeState:
     waiting: float = 0.0             # reported vllm:num_requests_waiting
     running: float = 0.0
     kv_usage: float = 0.0
+    models: tuple[str, ...] = ("fake",)  # ids listed by /v1/models (a pdserve pod lists its LoRA adapters there too)
+    lora_info: str | None = None     # labels of a reported vllm:lora_requests_info line, e.g. 'max_lora="2",...'
     record: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)  # {"path", "body", "headers"}
     disconnects: int = 0
@@ -95,10 +97,13 @@ class FakePod:
             text = (f"vllm:num_requests_waiting{{model_name=\"fake\"}} {st.waiting}\n"
                     f"vllm:num_requests_running{{model_name=\"fake\"}} {st.running}\n"
                     f"vllm:kv_cache_usage_perc{{model_name=\"fake\"}} {st.kv_usage}\n")
+            if st.lora_info is not None:
+                text += f"vllm:lora_requests_info{{{st.lora_info}}} 1.7e9\n"
             await _send(send, 200, text.encode(), b"text/plain")
             return
         if path == "/v1/models":
-            await _send(send, 200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
+            data = [{"id": m, "object": "model"} for m in st.models]
+            await _send(send, 200, json.dumps({"object": "list", "data": data}).encode())
             return
         body = await read_body(receive)
         if body is None:

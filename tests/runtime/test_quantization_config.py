@@ -53,3 +53,18 @@ def test_weight_bytes_gauge():
     m = ServerMetrics("m")
     m.set_model_weight_bytes(133_660_000)
     assert parse_samples(m.render().decode())['pdserve:model_weight_bytes{model_name="m"}'] == 133_660_000
+
+
+def test_weight_bytes_counts_a_shared_tensor_once():
+    """The ``dequant`` tied LM head reads the embedding's own codes and scales: one copy in memory, counted once."""
+    from torch import nn
+
+    from pdserve.runtime.quantization import weight_bytes
+
+    codes, scale = torch.zeros(64, 32, dtype=torch.int8), torch.ones(64, 1)
+    a, b = nn.Module(), nn.Module()
+    for m in (a, b):
+        m.register_buffer("codes", codes)
+        m.register_buffer("scale", scale)
+    model = nn.ModuleDict({"embed": a, "head": b, "norm": nn.LayerNorm(32)})
+    assert weight_bytes(model) == codes.nbytes + scale.nbytes + 2 * 32 * 4

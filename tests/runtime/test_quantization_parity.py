@@ -9,11 +9,15 @@ Which is exact and which is not (why the agreement bar differs):
   output must equal transformers on the dequantized weights TOKEN FOR TOKEN (all formats: GGUF Q4_1 + Q8_0 embedding,
   compressed-tensors W4A16 and INT8).
 * bfloat16 compute (what ``--dtype auto`` picks for quantized weights on CPU) runs torch's int4/int8 kernels, which
-  round activations, scales and zeros to bfloat16: not exact, so the bar is the issue's >= 95% of greedy tokens (first
-  32 per prompt) against the same float32 transformers reference - counted teacher-forced: at each of transformers'
-  greedy positions, does the engine, given the same prefix, pick the same token? Counted free-running instead (one
-  early flip changes every later token), no bfloat16 engine reaches 95% against float32: on these prompts the DENSE
-  bf16 engine agrees on 79% of positions and the int4 one on 73% (measured 2026-11-23; printed by the test).
+  round activations, scales, zeros and outputs to bfloat16: not exact, so the bar is the issue's >= 95% of greedy
+  tokens (first 32 per prompt) against transformers on the same dequantized weights, FREE-RUNNING. That bar is not met
+  (measured 2026-11-23 on these prompts: int4 73% against transformers float32, 79% against transformers bfloat16 on
+  the same weights; the DENSE bf16 engine itself 79% / 92.5%): these tests assert what holds - teacher-forced
+  agreement >= 95% (at each of transformers' greedy positions, given the same prefix, the engine picks the same token)
+  and the memory ratio - and then report the free-running criterion as an expected failure (xfail) with the number,
+  so that the gap shows in every run and a fix turns it into a pass. Why no bf16 kernel gets there: torch's CPU int4
+  kernel returns bf16 (2^-9 relative rounding of every linear's output) and its float32-activation variant is a
+  scalar loop ~25x slower than a dense float32 GEMM; see runtime/quantization.py.
 
 Prompts: the short prompts of the engine parity set (tests/runtime/test_engine_vs_hf.py), 32 new tokens, to keep it
 fast on two shared cores.
@@ -134,11 +138,14 @@ def _check(ours, refs, llm, prompts, float_bytes, min_ratio, exact: bool):
     forced = 1.0 if exact else _teacher_forced(llm, prompts, refs)
     print(f"{llm.engine.dtype}: free-running agreement {_agreement(ours, refs):.3f}, teacher-forced {forced:.3f}, "
           f"weights {nbytes / 2**20:.1f} MiB ({float_bytes / nbytes:.2f}x smaller than float32)")
+    assert nbytes * min_ratio <= float_bytes
     if exact:
         assert ours == refs
-    else:
-        assert forced >= 0.95
-    assert nbytes * min_ratio <= float_bytes
+        return
+    assert forced >= 0.95
+    free = _agreement(ours, refs)
+    if free < 0.95:  # the issue's criterion as written; known unmet for bf16 kernels (module docstring)
+        pytest.xfail(f"free-running agreement {free:.3f} < 0.95 (issue 14): bf16 kernels are not exact")
 
 
 def _bytes(llm) -> int:
@@ -155,9 +162,9 @@ def default_refs(float_dir, prompts):
     return _hf_greedy(float_dir, prompts)
 
 
-# (dtype, expected linear module, token-for-token?, min memory ratio vs float32). The bf16 memory ratio is the issue's
-# >= 4x goal; float32 keeps float32 scales and one code per byte for Q8_0, hence less.
-DEFAULT_CASES = [("float32", "DequantLinear", True, 3.0), ("auto", "Int4Linear", False, 4.0)]
+# (dtype, expected linear module, token-for-token?, min memory ratio vs float32): the issue's >= 4x goal on both paths
+# (float32 keeps float32 scales, and its tied LM head reads the embedding's own Q8_0 codes: ~4.8x).
+DEFAULT_CASES = [("float32", "DequantLinear", True, 4.0), ("auto", "Int4Linear", False, 4.0)]
 
 
 @pytest.mark.parametrize("dtype, module, exact, ratio", DEFAULT_CASES)

@@ -1,0 +1,61 @@
+"""LoRA affinity scorer: send an adapter's requests to pods that already have it (as GIE's lora-affinity scorer).
+
+Pods publish ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`` (comma-separated
+names); the health loop scrapes it into ``Endpoint.lora_running`` / ``lora_waiting`` / ``max_loras``, and the base
+model's name from the ``model_name`` label of the load metrics. For a request whose ``model`` is an adapter:
+
+* 1.0 — the adapter is running or waiting on the pod (its weights are there; no slot swap);
+* 0.8 — the pod has a free adapter slot (``running + waiting < max_lora``): loading it evicts nothing;
+* 0.0 — the pod would have to queue it behind its other adapters.
+
+Requests for the base model (or when no pod serves adapters) score 0 everywhere: the same for every pod, the scorer
+has no say and adds nothing to the profile's totals.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pdserve.router.endpoints import Endpoint
+from pdserve.router.framework import RequestContext, Scorer, register
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+ACTIVE, CAPACITY, FULL = 1.0, 0.8, 0.0
+
+
+def parse_lora_info(text: str) -> dict:
+    """``{"lora_running", "lora_waiting", "max_loras", "base_model"}`` from a pod's /metrics text (keys present only
+    when the pod reports them)."""
+    out: dict = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:lora_requests_info{"):
+            labels = dict(_LABEL.findall(line[line.index("{"):line.rindex("}")]))
+            out["lora_running"] = frozenset(x for x in labels.get("running_lora_adapters", "").split(",") if x)
+            out["lora_waiting"] = frozenset(x for x in labels.get("waiting_lora_adapters", "").split(",") if x)
+            try:
+                out["max_loras"] = int(labels.get("max_lora", "0"))
+            except ValueError:
+                out["max_loras"] = 0
+        elif "base_model" not in out and line.startswith("vllm:num_requests_waiting{"):
+            name = dict(_LABEL.findall(line[line.index("{"):line.rindex("}")])).get("model_name")
+            if name:
+                out["base_model"] = name
+    return out
+
+
+@register("lora-affinity")
+class LoRAAffinityScorer(Scorer):
+    def score(self, ctx: RequestContext, pods: list[Endpoint]) -> list[float]:
+        model = ctx.body.get("model") if isinstance(ctx.body, dict) else None
+        if not isinstance(model, str) or not any(p.max_loras for p in pods) \
+                or any(model == p.base_model for p in pods):
+            return [0.0] * len(pods)
+        scores = []
+        for p in pods:
+            if model in p.lora_running or model in p.lora_waiting:
+                scores.append(ACTIVE)
+            elif len(p.lora_running | p.lora_waiting) < p.max_loras:
+                scores.append(CAPACITY)
+            else:
+                scores.append(FULL)
+        return scores
