@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve import tracing
 from pdserve.runtime import envs
+from pdserve.runtime.structured_output.params import BACKEND_CHOICES
+from pdserve.runtime.tool_calling.parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from pdserve.runtime.server_state import ServerOptions
@@ -96,6 +98,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="answer 503 + Retry-After when this many requests are already waiting (default: no bound)")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the Jinja text) used for every chat request (default: the "
+                        "model's own; a built-in tool-aware ChatML one for requests with tools when the model's "
+                        "template has no tool support)")
+    s.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text when tool_choice is auto")
+    s.add_argument("--structured-outputs-backend", default="auto", choices=list(BACKEND_CHOICES),
+                   help="grammar backend of response_format / structured_outputs / tools: auto picks xgrammar, "
+                        "or llguidance for JSON Schema keywords only it enforces")
     tracing.add_flag(s)
     s.add_argument("--log-level", default=envs.log_level().lower(),
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (env PDSERVE_LOG_LEVEL)")
@@ -208,12 +219,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
         kv_load_failure_policy=args.kv_load_failure_policy, **_lora_options(args),
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=getattr(args, "speculative_config", None),
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", None))
 
 
 def server_options(args: argparse.Namespace) -> "ServerOptions":
     """The server's options (everything that is not the engine's); the API key falls back to PDSERVE_API_KEY."""
     from pdserve.runtime.server_state import KVEventsOptions, ServerOptions
+    from pdserve.runtime.tool_calling.chat_template import load_chat_template
 
     kv_events = None
     if args.kv_events_port:
@@ -221,7 +234,8 @@ def server_options(args: argparse.Namespace) -> "ServerOptions":
                                     replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
     return ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role,
                          host=args.host, port=args.port, shutdown_grace_period=args.shutdown_grace_period,
-                         log_level=args.log_level, kv_events=kv_events)
+                         log_level=args.log_level, kv_events=kv_events,
+                         chat_template=load_chat_template(args.chat_template), tool_call_parser=args.tool_call_parser)
 
 
 def check_kv_secret(args: argparse.Namespace) -> str | None:

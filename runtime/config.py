@@ -54,6 +54,13 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"                  # auto | xgrammar | llguidance (--structured-outputs-backend)
+    grammar_cache_size: int = 256          # compiled grammars kept (LRU), keyed by (backend, kind, spec)
+    grammar_compile_timeout_s: float = 30.0  # a grammar still compiling after this fails its request (400 / error)
+
+
+@dataclass(frozen=True)
 class LoRAModule:
     name: str
     path: str                              # a PEFT directory (adapter_config.json + adapter_model.safetensors)
@@ -79,6 +86,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: str | None = None   # None -> auto (flash-attn on CUDA when importable, else triton on CUDA, else torch)
     device: str | None = None              # None -> cuda if available else cpu
@@ -88,6 +96,7 @@ class EngineConfig:
     def from_options(cls, **options: Any) -> "EngineConfig":
         """Build from flat keyword options (the `LLM(...)` and CLI surface), routing each to its section."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
+        so: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
         kv: dict[str, Any] = {}
@@ -97,6 +106,9 @@ class EngineConfig:
             if key in ("kv_connector", "kv_role", "kv_connector_config", "kv_load_failure_policy"):
                 kv[{"kv_connector": "connector", "kv_role": "role", "kv_connector_config": "config",
                     "kv_load_failure_policy": "load_failure_policy"}[key]] = value
+                continue
+            if key == "structured_outputs_backend":
+                so["backend"] = value
                 continue
             if key in ("attention_backend", "device"):
                 top[key] = value
@@ -112,4 +124,4 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {key!r}")
         return cls(model=ModelConfig(**parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]), kv_transfer=KVTransferConfig(**kv),
-                   lora=LoRAConfig(**parts["lora"]), **top)
+                   lora=LoRAConfig(**parts["lora"]), structured_outputs=StructuredOutputsConfig(**so), **top)

@@ -28,6 +28,7 @@ from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
 from pdserve.runtime.scheduler import Scheduler
 from pdserve.runtime.spec_propose import create_proposer, load_draft_model
 from pdserve.runtime.spec_stats import SpecDecodingStats
+from pdserve.runtime.structured_output.manager import StructuredOutputManager
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,12 @@ class LLMEngine:
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        so = config.structured_outputs
+        self.structured = StructuredOutputManager(
+            self.tokenizer, int(self.hf_config.vocab_size), [t for t in (eos if isinstance(eos, list) else
+                                                                      [self.eos_token_id]) if t is not None],
+            backend=so.backend, cache_size=so.grammar_cache_size, compile_timeout_s=so.grammar_compile_timeout_s)
+        self._waiting_grammar: list[Request] = []   # structured-output requests whose grammar is still compiling
         self._requests: dict[str, Request] = {}          # unfinished engine requests (children included)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._parents: dict[str, _Parent] = {}          # client id -> fan-out state (n > 1 only)
@@ -150,6 +157,8 @@ class LLMEngine:
                                                       else params.seed + i)) for i in range(params.n)]
             if any(cid in self._requests for cid, _ in children):
                 raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
+        if params.structured_outputs is not None:   # starts its compile; bad JSON text raises here, before any trace
+            self.structured.compile(params.structured_outputs)
         # Build everything before registering anything: a failure must leave no trace.
         adapters = self._acquire_loras(lora_name, len(children))
         try:
@@ -171,7 +180,11 @@ class LLMEngine:
         for req, detok in zip(reqs, detoks):
             self._requests[req.request_id] = req
             self._detok[req.request_id] = detok
-            self.scheduler.add_request(req)
+            if req.sampling_params.structured_outputs is not None:   # scheduled once its grammar is compiled
+                self.structured.add_request(req.request_id, req.sampling_params.structured_outputs)
+                self._waiting_grammar.append(req)
+            else:
+                self.scheduler.add_request(req)
 
     def _acquire_loras(self, lora_name: str | None, n: int) -> list:
         """The adapter of each of ``n`` child requests (pinned until they are forgotten); Nones for the base model."""
@@ -209,15 +222,24 @@ class LLMEngine:
                 engine_ids.append(rid)
         for req in self.scheduler.abort_requests(engine_ids):
             self._forget(req.request_id)
+        if self._waiting_grammar:
+            gone = set(engine_ids)
+            for req in [r for r in self._waiting_grammar if r.request_id in gone]:
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._forget(req.request_id)
+            self._waiting_grammar = [r for r in self._waiting_grammar if r.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
         """True while requests run or wait, or a KV transfer still holds blocks (keep stepping to release them)."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+                or bool(self._waiting_grammar))
 
     # ---- step ------------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns outputs of requests that progressed or finished this step."""
+        self._admit_compiled()                                              # grammars compiled -> schedulable
         sched_out = self.scheduler.schedule()                               # schedule
+        self._add_grammar_bitmask(sched_out)
         meta = sched_out.kv_connector_metadata
         if self.connector is not None and meta is not None:
             self.connector.start_load_kv(meta)                              # load
@@ -226,6 +248,7 @@ class LLMEngine:
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)                                    # save
         progressed = self.scheduler.update_from_output(sched_out, runner_out)   # update
+        self._advance_grammars(progressed)
         if not sched_out.num_scheduled_tokens and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
         return self._postprocess_all(progressed)                            # postprocess
@@ -256,6 +279,51 @@ class LLMEngine:
                 if req is not None and not req.is_finished:
                     self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
         return out
+
+    # ---- structured outputs ------------------------------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose compile
+        failed or timed out. Others keep waiting without holding anyone up."""
+        if not self._waiting_grammar:
+            return
+        still = []
+        for req in self._waiting_grammar:
+            try:
+                ready = self.structured.ready(req.request_id)
+            except ValueError as e:
+                self.scheduler.add_request(req)
+                self.scheduler.fail_request(req, f"structured output: {e}"[:500])
+                continue
+            if ready:
+                self.scheduler.add_request(req)
+            else:
+                still.append(req)
+        self._waiting_grammar = still
+
+    def _add_grammar_bitmask(self, sched_out: SchedulerOutput) -> None:
+        """The bitmask of the constrained requests that sample this step (their chunk reaches their last token)."""
+        if not self.structured.has_requests():
+            return
+        computed = sched_out.num_computed_tokens()
+        ids = [rid for rid, n in sched_out.num_scheduled_tokens.items()
+               if self.structured.is_ready(rid) and computed[rid] + n >= self._requests[rid].num_tokens]
+        if ids:
+            sched_out.structured_output_request_ids = ids
+            sched_out.grammar_bitmask = self.structured.grammar_bitmask(ids)
+
+    def _advance_grammars(self, progressed: list[Request]) -> None:
+        """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
+        A grammar that accepted its stop token ends the request even under ``ignore_eos``: nothing more may follow."""
+        for req in progressed:
+            rid = req.request_id
+            if not self.structured.has(rid):
+                continue
+            if not self.structured.accept(rid, req.output_token_ids):
+                if not req.is_finished:
+                    self.scheduler.fail_request(req, "structured output: the grammar refused a sampled token")
+                req.status, req.error = RequestStatus.FINISHED_ERROR, "structured output: grammar refused a token"
+            elif not req.is_finished and self.structured.is_terminated(rid):
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
 
     def _postprocess_all(self, progressed: list[Request]) -> list[RequestOutput]:
         now = time.time()
@@ -353,6 +421,7 @@ class LLMEngine:
         if req is not None and req.lora is not None and self.lora is not None:
             self.lora.release(req.lora)
         self._detok.pop(request_id, None)
+        self.structured.remove(request_id)
 
     # ---- introspection -----------------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -384,6 +453,7 @@ class LLMEngine:
         return list(ids)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
             self.connector = None

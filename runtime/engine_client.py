@@ -19,6 +19,7 @@ if TYPE_CHECKING:   # types only: importing this module must not import torch
     from pdserve.runtime.lora_manager import LoRAManager
     from pdserve.runtime.outputs import RequestOutput
     from pdserve.runtime.sampling_params import SamplingParams
+    from pdserve.runtime.structured_output.manager import StructuredOutputManager
     from pdserve.runtime.validation import RequestLimits
 
 
@@ -41,6 +42,7 @@ class EngineClient(Protocol):
     weight_bytes: int                  # bytes the weights occupy (``pdserve:model_weight_bytes``)
     kv_cache_spec: KVCacheSpec         # layout of the KV cache (its fingerprint pairs prefill and decode pods)
     connector: KVConnectorBase | None  # the KV connector, if any (its counters are exported on ``/metrics``)
+    structured: StructuredOutputManager  # grammars: ``compile`` (any thread) validates a request's before queueing
     lora: LoRAManager | None           # the adapters, when LoRA is enabled (its registry may be read from any thread)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -71,7 +71,7 @@ class LLM:
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
                     done[out.request_id] = out
-            if not outputs and not self.engine.scheduler.has_unfinished_requests():
+            if not outputs and not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine idle with {len(pending)} unfinished requests")
         return [done[i] for i in ids]
 

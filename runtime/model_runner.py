@@ -39,6 +39,8 @@ class ForwardOutput:
     # request id -> drafts being verified: such a request has len(drafts) + 1 consecutive rows (its positions from
     # the last real token on), the others one row each
     spec: dict[str, list[int]] = field(default_factory=dict)
+    grammar_bitmask: torch.Tensor | None = None   # (len(req_ids), ceil(vocab/32)) int32, all ones where free
+    grammar_rows: list[int] | None = None         # rows (indices into req_ids) a grammar constrains
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -119,7 +121,22 @@ class ModelRunner:
         hidden = hidden[idx]                                                                 # (N, hidden)
         logits = self.model.compute_logits(hidden)                                           # (N, vocab)
         sampled = [req_ids[i] for i in rows]
-        return ForwardOutput(sampled, logits.float(), hidden, {r: spec[r] for r in sampled if spec.get(r)})
+        fwd = ForwardOutput(sampled, logits.float(), hidden, {r: spec[r] for r in sampled if spec.get(r)})
+        if out.grammar_bitmask is not None:
+            self._attach_grammar(fwd, out)
+        return fwd
+
+    @staticmethod
+    def _attach_grammar(fwd: ForwardOutput, out: SchedulerOutput) -> None:
+        """Reorder the scheduler's bitmask (one row per ``structured_output_request_ids``) onto the sampling rows."""
+        src = {rid: i for i, rid in enumerate(out.structured_output_request_ids)}
+        rows = [i for i, rid in enumerate(fwd.req_ids) if rid in src]
+        if not rows:
+            return
+        mask = out.grammar_bitmask
+        full = torch.full((len(fwd.req_ids), mask.shape[1]), -1, dtype=mask.dtype)
+        full[rows] = mask[[src[fwd.req_ids[i]] for i in rows]]
+        fwd.grammar_bitmask, fwd.grammar_rows = full, rows
 
     @torch.inference_mode()
     def sample(self, fwd: ForwardOutput | None) -> ModelRunnerOutput:
@@ -143,7 +160,12 @@ class ModelRunner:
             tokens.update(zip(spec_ids, verified))
         if plain:
             ids = [fwd.req_ids[i] for i in plain]
-            tokens.update((r, [t]) for r, t in zip(ids, self.sampler(rows, self.batch.sampling_metadata(ids))))
+            meta = self.batch.sampling_metadata(ids)
+            if fwd.grammar_rows:   # grammar requests never verify drafts: all their rows are plain rows
+                constrained = set(fwd.grammar_rows)
+                meta.grammar_bitmask = fwd.grammar_bitmask[plain]
+                meta.grammar_rows = [j for j, i in enumerate(plain) if i in constrained]
+            tokens.update((r, [t]) for r, t in zip(ids, self.sampler(rows, meta)))
         out = ModelRunnerOutput()
         for rid in fwd.req_ids:
             toks = tokens[rid]
@@ -152,8 +174,10 @@ class ModelRunner:
             out.sampled_token_ids.append([t.token_id for t in toks])
             out.logprobs.append(None if toks[0].logprobs is None else [t.logprobs for t in toks])
         if self.proposer is not None:
-            out.spec_token_ids = self.proposer.propose([self.batch.requests[r] for r in fwd.req_ids],
-                                                       len(self.batch.req_ids))
+            # no drafts under a grammar: its bitmask constrains one position per step
+            grammar = {fwd.req_ids[i] for i in fwd.grammar_rows or ()}
+            states = [self.batch.requests[r] for r in fwd.req_ids if r not in grammar]
+            out.spec_token_ids = self.proposer.propose(states, len(self.batch.req_ids))
         return out
 
 

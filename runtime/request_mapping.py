@@ -5,11 +5,13 @@ need the server's view: the model name, the client's request id, and who may ask
 decode.
 
 Features hook here: a request field that changes what the engine does (``response_format``, adapters chosen by
-``model``...) is mapped in ``completion_input`` / ``chat_input`` into ``EngineInput``.
+``model``...) is mapped in ``completion_input`` / ``chat_input`` into ``EngineInput``. Structured outputs and tools:
+``with_structured_output`` (the grammar) and ``chat_ids`` (the tool-aware chat template).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +25,8 @@ from pdserve.runtime.json_body import raw_body
 from pdserve.runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.server_state import ServerState
+from pdserve.runtime.structured_output import api as structured_api
+from pdserve.runtime.tool_calling.chat_template import render_chat_ids, uses_tools
 from pdserve.runtime.validation import InvalidParam, check_request, check_request_id, check_token_ids
 
 
@@ -52,9 +56,14 @@ async def text_ids(state: ServerState, text: str, add_special_tokens: bool) -> l
     return await state.off_loop(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
 
-async def chat_ids(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    engine = state.engine
+async def chat_ids(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                   tools: list[dict[str, Any]] | None) -> list[int]:
+    engine, override = state.engine, state.options.chat_template
     try:   # a template may refuse a conversation (TemplateError: e.g. roles out of order)
+        if override or uses_tools(messages, tools):   # tools need a template that renders them
+            return await state.off_loop(lambda: render_chat_ids(
+                engine.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                override=override))
         return await state.off_loop(lambda: list(engine.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt)))
     except (ValueError, TypeError, TemplateError) as e:
@@ -66,12 +75,14 @@ async def completion_input(state: ServerState, req: CompletionRequest) -> Engine
     prompt = req.single_prompt()
     # a string is tokenized as the engine does (no special tokens added)
     ids = await text_ids(state, prompt, False) if isinstance(prompt, str) else list(prompt)
-    return replace(checked(state, req, ids), lora_name=lora)
+    inp = await with_structured_output(state, req, checked(state, req, ids))
+    return replace(inp, lora_name=lora)
 
 
 async def chat_input(state: ServerState, req: ChatCompletionRequest) -> EngineInput:
     lora = check_model(state, req.model)
-    inp = checked(state, req, await chat_ids(state, req.message_dicts(), req.add_generation_prompt))
+    ids = await chat_ids(state, req.message_dicts(), req.add_generation_prompt, req.tool_dicts())
+    inp = await with_structured_output(state, req, checked(state, req, ids))
     return replace(inp, lora_name=lora)
 
 
@@ -88,6 +99,25 @@ def checked(state: ServerState, req: SamplingRequest, prompt_ids: list[int]) -> 
     if params.max_tokens != max_tokens:
         params = replace(params, max_tokens=max_tokens)
     return EngineInput(prompt_ids, params)
+
+
+async def with_structured_output(state: ServerState, req: SamplingRequest, inp: EngineInput) -> EngineInput:
+    """``inp`` with the request's structured-output constraint (response_format, structured_outputs, tool_choice),
+    its grammar compiled (or found in the cache) before the request is queued: an invalid schema, regex or grammar,
+    or a compile past the timeout, is a 400 naming the field."""
+    found = structured_api.request_params(req)
+    if found is None:
+        return inp
+    param, so = found
+    manager = state.engine.structured
+    try:   # shielded: a timeout here must not cancel the cached compile other requests share
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(manager.compile(so))), manager.compile_timeout_s)
+    except ValueError as e:
+        raise ApiError(400, f"invalid {param}: {e}", param=param) from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise ApiError(400, f"{param}: grammar compilation took longer than {manager.compile_timeout_s:g}s",
+                       param=param) from None
+    return replace(inp, params=replace(inp.params, structured_outputs=so))
 
 
 def request_ids(request: Request, state: ServerState, body_id: str | None) -> tuple[str, str]:

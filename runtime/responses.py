@@ -16,11 +16,14 @@ from typing import Any
 
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pdserve.runtime.structured_output.api import tool_choice_mode
+from pdserve.runtime.tool_calling import ToolCallExtractor, create_tool_parser
 
 
 class ResponseBuilder:
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, tool_parser: str = "hermes"):
         self.model = engine.served_model_name
+        self.tool_parser = tool_parser
         self._decode_one = functools.lru_cache(maxsize=65536)(lambda t: engine.tokenizer.decode([t]))
 
     # ---- whole responses ----
@@ -31,7 +34,14 @@ class ResponseBuilder:
         for c in comps:
             finish = c.finish_reason or "abort"
             if kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                tools = self.tool_extractor(req)
+                if tools is not None:
+                    message["content"], calls = tools.result(c.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = tool_finish(finish)
+                choices.append({"index": c.index, "message": message,
                                 "logprobs": self._chat_logprobs(c, 0, req) if req.logprobs else None,
                                 "finish_reason": finish, "stop_reason": c.stop_reason})
             else:
@@ -41,6 +51,15 @@ class ResponseBuilder:
         return {**self._head(kind, resp_id, chunk=False), "choices": choices,
                 "usage": self.usage(prompt_ids, comps, out),
                 "kv_transfer_params": out.kv_transfer_params if out is not None else None}
+
+    def tool_extractor(self, req: Any) -> ToolCallExtractor | None:
+        """The tool-call extractor of one choice of ``req`` (None when its tools are off)."""
+        mode = tool_choice_mode(req)
+        if mode == "none":
+            return None
+        if mode == "named":
+            return ToolCallExtractor(mode, name=req.tool_choice.function.name)
+        return ToolCallExtractor(mode, parser=create_tool_parser(self.tool_parser) if mode == "auto" else None)
 
     def usage(self, prompt_ids: list[int], comps: list[CompletionOutput], out: RequestOutput | None) -> dict:
         n_prompt, n_gen = len(prompt_ids), sum(len(c.token_ids) for c in comps)
@@ -93,6 +112,11 @@ class ResponseBuilder:
         return Chunker(self, kind, req, resp_id, prompt_ids)
 
 
+def tool_finish(finish: str) -> str:
+    """A choice that called tools and stopped by itself finishes with ``tool_calls`` (cut ones keep ``length``)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 def completions(out: RequestOutput | None, n: int) -> list[CompletionOutput]:
     """All ``n`` completions of ``out`` by index (an empty one for an index with no output yet)."""
     by_index = {c.index: c for c in (out.outputs if out is not None else [])}
@@ -110,6 +134,8 @@ class Chunker:
         self.sent_text = [0] * req.n
         self.done = [False] * req.n
         self.last: RequestOutput | None = None
+        self.tools = [builder.tool_extractor(req) for _ in range(req.n)] if kind == "chat" else [None] * req.n
+        self.called = [False] * req.n
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
         c = {**self.b._head(self.kind, self.resp_id, chunk=True), "choices": choices}
@@ -141,10 +167,18 @@ class Chunker:
         delta_text = comp.text[self.sent_text[i]:]
         new_tokens = len(comp.token_ids) - self.sent_tokens[i]
         chunks = []
+        delta: dict[str, Any] = {"content": delta_text}
+        tools = self.tools[i]
+        if tools is not None:   # content only outside tool calls; calls as delta.tool_calls
+            content, calls = tools.update(comp.text, finish is not None)
+            delta = {"content": content}
+            if calls:
+                delta["tool_calls"], self.called[i] = calls, True
+            delta_text = content or calls
         if delta_text or (new_tokens > 0 and comp.logprobs is not None) or (finish and self.kind != "chat"):
             if self.kind == "chat":
                 lps = self.b._chat_logprobs(comp, self.sent_tokens[i], self.req) if self.req.logprobs else None
-                chunks.append(self._chunk([{"index": i, "delta": {"content": delta_text}, "logprobs": lps,
+                chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": lps,
                                             "finish_reason": None}]))
             else:
                 lps = (self.b._completion_logprobs(comp, self.sent_tokens[i], self.sent_text[i], self.req)
@@ -154,6 +188,8 @@ class Chunker:
         self.sent_text[i] = max(self.sent_text[i], len(comp.text))
         self.sent_tokens[i] = len(comp.token_ids)
         if finish and self.kind == "chat":
+            if self.called[i]:
+                finish = tool_finish(finish)
             chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish,
                                         "stop_reason": comp.stop_reason}]))
         self.done[i] = finish is not None

@@ -32,6 +32,7 @@ from pdserve.runtime import drain as drain_mod
 from pdserve.runtime import lora_routes
 from pdserve.runtime import metrics as metrics_mod
 from pdserve.runtime import request_mapping as mapping
+from pdserve.runtime.structured_output.metrics import StructuredOutputCollector
 from pdserve.runtime import streaming
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine_client import EngineClient
@@ -52,8 +53,9 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
     """The FastAPI app serving ``engine``; the engine loop thread runs for the app's lifespan."""
     metrics = ServerMetrics(engine.served_model_name, kv_connector=engine.config.kv_transfer.connector is not None)
     metrics.set_model_weight_bytes(engine.weight_bytes)
+    metrics.registry.register(StructuredOutputCollector(engine.structured.stats, engine.served_model_name))
     state = ServerState(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
-    builder = ResponseBuilder(engine)
+    builder = ResponseBuilder(engine, tool_parser=options.tool_call_parser)
     kv_fingerprint = drain_mod.fingerprint(engine)
 
     @contextlib.asynccontextmanager
@@ -117,7 +119,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
         mapping.check_model(state, req.model)
         if req.messages is not None:
             ids = await mapping.chat_ids(state, [{"role": m.role, "content": m.text()} for m in req.messages],
-                                         req.add_generation_prompt)
+                                         req.add_generation_prompt, None)
         else:
             ids = await mapping.text_ids(state, req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

@@ -26,11 +26,14 @@ class SamplingMetadata:
     all_token_ids: list[list[int]]          # prompt + output (repetition penalty)
     output_token_ids: list[list[int]]       # output only (presence / frequency penalties)
     banned_token_ids: list[list[int]]       # EOS and stop ids while below min_tokens
-    allowed_token_mask: torch.Tensor | None = None   # (N, vocab) bool from a grammar (issue 11); None: all allowed
+    # Structured outputs: packed allowed-token bitmask, int32 (N, ceil(vocab / 32)), bit t % 32 of word t // 32 set
+    # when token t is allowed (rows not in grammar_rows are all ones); None: no row is constrained.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None   # the constrained rows
 
     @property
     def needs_processing(self) -> bool:
-        return self.allowed_token_mask is not None or any(
+        return self.grammar_bitmask is not None or any(
             p.has_penalties or not p.greedy for p in self.params) or any(self.banned_token_ids)
 
 
@@ -43,8 +46,11 @@ class Sampler:
         raw = logits
         params = meta.params
         logits = logits.clone() if meta.needs_processing else logits
-        if meta.allowed_token_mask is not None:
-            logits.masked_fill_(~meta.allowed_token_mask, float("-inf"))
+        if meta.grammar_bitmask is not None:   # one batched kernel (xgrammar's) over the constrained rows
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(logits, meta.grammar_bitmask.to(logits.device, non_blocking=True),
+                                            indices=meta.grammar_rows)
         for i, sp in enumerate(params):
             if sp.has_penalties:
                 _apply_penalties(logits[i], sp, meta.all_token_ids[i], meta.output_token_ids[i], self.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.runtime.validation import check_sampling_params
 
@@ -30,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None           # top-k alternatives per sampled token (0 -> only the sampled token's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None        # a structured_output.StructuredOutputsParams: the grammar the output follows
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -40,6 +40,8 @@ class ServerOptions:
     shutdown_grace_period: float = 30.0   # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
     kv_events: KVEventsOptions | None = None
+    chat_template: str | None = None      # --chat-template (text); None: the model's, or the built-in tool template
+    tool_call_parser: str = "hermes"      # --tool-call-parser: reads tool calls from tool_choice="auto" output
 
 
 class ServerState:

@@ -76,7 +76,8 @@ def test_bad_flag_values_exit_2():
     (CompletionRequest, {"prompt": "x", "echo": True}, None),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools.0.function"),
 ])
 def test_protocol_rejects(model, body, param):
     with pytest.raises(ApiError) as e:

@@ -275,8 +275,11 @@ FAMILIES = {
     "pdserve:max_batch_size": "gauge", "pdserve:engine_steps": "counter", "pdserve:requests_rejected": "counter",
     "pdserve:requests_aborted_on_disconnect": "counter", "pdserve:kv_event_batches_published": "counter",
     "pdserve:model_weight_bytes": "gauge",
+    "pdserve:grammar_compile_seconds": "histogram", "pdserve:grammar_cache_hits": "counter",
+    "pdserve:grammar_cache_misses": "counter", "pdserve:structured_output_requests": "counter",
 }
-EXTRA_LABELS = {"vllm:request_success": {"finished_reason"}, "pdserve:requests_rejected": {"reason"}}
+EXTRA_LABELS = {"vllm:request_success": {"finished_reason"}, "pdserve:requests_rejected": {"reason"},
+                "pdserve:structured_output_requests": {"kind"}}
 BUCKETS = {"vllm:time_to_first_token_seconds": TTFT_BUCKETS, "vllm:inter_token_latency_seconds": ITL_BUCKETS,
            "vllm:e2e_request_latency_seconds": E2E_BUCKETS, "pdserve:batch_size": BATCH_BUCKETS}
 

@@ -123,7 +123,8 @@ def _completion(model: str, h: bool) -> st.SearchStrategy[dict[str, Any]]:
     ids = _token_ids(in_vocab=not h)
     prompt = field(texts(40).filter(bool) | ids | st.lists(texts(12).filter(bool), min_size=1, max_size=2 if h else 1)
                    | st.lists(ids, min_size=1, max_size=2 if h else 1), h)
-    optional = {**_sampling_fields(model, h), "logprobs": field(st.integers(0, 5), h),
+    optional = {**_sampling_fields(model, h), **(_structured_fields(h, chat=False) if h else {}),
+                "logprobs": field(st.integers(0, 5), h),
                 "echo": field(st.just(False), h), "suffix": field(st.just(""), h),
                 **({"best_of": field(st.integers(1, 3), h)} if h else {})}
     return _with_extras(st.fixed_dictionaries({"prompt": prompt, "max_tokens": _max_tokens(h)}, optional=optional))
@@ -141,13 +142,49 @@ def _messages(h: bool) -> st.SearchStrategy[Any]:
     return st.one_of(messages, messages, junk()) if h else messages
 
 
+def _schemas() -> st.SearchStrategy[Any]:
+    """JSON Schema-like objects: valid small ones, broken types, bad patterns and plain junk."""
+    leaf = st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "object",
+                                                           "array", "null", "objectx"])},
+                                 optional={"pattern": st.sampled_from(["^a+$", "((", "[0-9]{2}"]),
+                                           "enum": st.lists(json_values(1), max_size=3),
+                                           "minimum": numbers(), "maxLength": st.integers(-1, 5),
+                                           "minItems": st.integers(-1, 3), "allOf": st.just([{"type": "integer"}])})
+    obj = st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(texts(6), leaf,
+                                                                                          max_size=3)},
+                                optional={"required": st.lists(texts(6), max_size=2),
+                                          "additionalProperties": st.booleans()})
+    return st.one_of(leaf, obj, json_values(4))
+
+
+def _structured_fields(h: bool, chat: bool) -> dict[str, st.SearchStrategy[Any]]:
+    """response_format / structured_outputs (and tools / tool_choice for chat), hostile shapes included."""
+    rf = st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag", "xml"]) | junk()},
+        optional={"json_schema": st.fixed_dictionaries({"name": texts(8), "schema": _schemas()},
+                                                       optional={"strict": st.booleans()}) | junk()})
+    so = st.fixed_dictionaries({}, optional={
+        "json": _schemas(), "regex": st.sampled_from(["[a-z]{1,3}", "((", "a|b", ""]) | texts(6),
+        "choice": st.lists(texts(4), max_size=3) | junk(), "grammar": st.sampled_from(['root ::= "a"', "root ::= ("]),
+        "json_object": st.booleans(), "structural_tag": junk(), "disable_any_whitespace": st.booleans(),
+        "bogus": junk()})
+    fields = {"response_format": field(rf, h), "structured_outputs": field(so | junk(), h)}
+    if chat:
+        tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "bad name"]) | texts(6)}, optional={"parameters": _schemas()})})
+        fields["tools"] = field(st.lists(tool | json_values(3), max_size=2), h)
+        fields["tool_choice"] = field(st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "x"])})})
+            | junk(), h)
+        fields["parallel_tool_calls"] = field(st.booleans(), h)
+    return fields
+
+
 def _chat(model: str, h: bool) -> st.SearchStrategy[dict[str, Any]]:
     optional = {**_sampling_fields(model, h), "max_completion_tokens": _max_tokens(h),
                 "logprobs": field(st.booleans(), h), "top_logprobs": field(st.integers(0, 5), h),
                 "add_generation_prompt": field(st.booleans(), h),
-                **({"response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
-                                             h),
-                    "tools": field(st.lists(json_values(4), max_size=1), h)} if h else {})}
+                **(_structured_fields(h, chat=True) if h else {})}
     return _with_extras(st.fixed_dictionaries({"messages": _messages(h), "max_tokens": _max_tokens(h)},
                                               optional=optional))
 
