@@ -46,6 +46,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _speculative_config(text: str) -> Any:
+    from pdserve.runtime.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -131,6 +140,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="waiting-queue order: arrival, or the request's 'priority' (lower first) then arrival")
 
+    c.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", "model": ..., '
+                        '"num_speculative_tokens": 3}; greedy output never changes')
+
     _add_lora_flags(p.add_argument_group("LoRA adapters"))
 
     k = p.add_argument_group("KV transfer (disaggregation) and KV events")
@@ -205,6 +219,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
         kv_load_failure_policy=args.kv_load_failure_policy, **_lora_options(args),
+        speculative_config=getattr(args, "speculative_config", None),
         structured_outputs_backend=getattr(args, "structured_outputs_backend", None))
 
 

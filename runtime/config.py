@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from pdserve.runtime.spec_config import SpeculativeConfig
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Role = Literal["both", "prefill", "decode"]
 
@@ -92,6 +94,7 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     attention_backend: str | None = None   # None -> auto (flash-attn on CUDA when importable, else triton on CUDA, else torch)
     device: str | None = None              # None -> cuda if available else cpu
+    speculative_config: SpeculativeConfig | None = None  # None -> no speculative decoding (runtime/spec_config.py)
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
@@ -113,6 +116,9 @@ class EngineConfig:
                 continue
             if key in ("attention_backend", "device"):
                 top[key] = value
+                continue
+            if key == "speculative_config":
+                top[key] = SpeculativeConfig.parse(value)
                 continue
             for name, section in sections.items():
                 if key in {f.name for f in fields(section)}:

@@ -26,6 +26,8 @@ from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
 from pdserve.runtime.scheduler import Scheduler
+from pdserve.runtime.spec_propose import create_proposer, load_draft_model
+from pdserve.runtime.spec_stats import SpecDecodingStats
 from pdserve.runtime.structured_output.manager import StructuredOutputManager
 from pdserve.runtime.validation import RequestLimits, check_request
 
@@ -47,6 +49,7 @@ class EngineStats:
     num_blocks: int = 0
     running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
     waiting_lora_adapters: list[str] | None = None
+    spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off
 
 
 def _is_device_fault(e: BaseException) -> bool:
@@ -83,9 +86,12 @@ class LLMEngine:
         self.kv_cache_spec = KVCacheSpec(model=self.served_model_name, dtype=str(self.dtype).removeprefix("torch."),
                                          num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                          block_size=block_size)
-        num_blocks = determine_num_blocks(config, kv_block_bytes(m.num_layers, block_size, m.num_kv_heads,
-                                                                 m.head_dim, self.dtype), self.max_model_len,
-                                          self.device)
+        spec = config.speculative_config
+        draft = load_draft_model(spec, config, loaded, self.device) if spec and spec.method == "draft_model" else None
+        block_bytes = kv_block_bytes(m.num_layers, block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        if draft is not None:   # the draft's KV blocks share the target's block ids: one block costs both
+            block_bytes += kv_block_bytes(draft.num_layers, block_size, draft.num_kv_heads, draft.head_dim, self.dtype)
+        num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device)
         self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device, config.model.seed)
         self.lora = None
         if config.lora.enable_lora:
@@ -104,6 +110,11 @@ class LLMEngine:
                                    kvt.load_failure_policy,
                                    config.lora.max_loras if config.lora.enable_lora else None,
                                    detokenizers=self._detok)
+        if spec is not None:
+            self.runner.proposer = create_proposer(spec, self.scheduler.max_len, draft, num_blocks, block_size,
+                                                   self.dtype, self.device)
+            if draft is not None:
+                self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         sched = config.scheduler
         self.limits = RequestLimits(vocab_size=int(self.hf_config.vocab_size), max_model_len=self.max_model_len,
                                     block_size=block_size, num_blocks=num_blocks,
@@ -396,7 +407,8 @@ class LLMEngine:
                            generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
                            recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks,
                            running_lora_adapters=sorted({r.lora_name for r in s.running if r.lora is not None}),
-                           waiting_lora_adapters=sorted({r.lora_name for r in s.waiting if r.lora is not None}))
+                           waiting_lora_adapters=sorted({r.lora_name for r in s.waiting if r.lora is not None}),
+                           spec_decode=s.spec_stats.snapshot() if self.runner.proposer is not None else None)
 
     def take_kv_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call, oldest first."""

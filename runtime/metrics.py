@@ -45,6 +45,13 @@ _STAT_COUNTERS = {
     "recomputed_tokens": ("pdserve:recomputed_tokens", "Tokens recomputed after a failed KV load."),
 }
 
+# SpecDecodingStats field -> (metric name, help) (runtime/spec_stats.py)
+_SPEC_COUNTERS = {
+    "num_drafts": ("vllm:spec_decode_num_drafts", "Draft verifications (one request's drafts in one step)."),
+    "num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
 
 class _EngineStatsCollector(Collector):
     def __init__(self, model_name: str):
@@ -60,6 +67,17 @@ class _EngineStatsCollector(Collector):
         for field, (name, doc) in _STAT_COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, field, 0) or 0))
+            yield c
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:                      # only when speculative decoding is configured (as in vLLM)
+            for field, (name, doc) in _SPEC_COUNTERS.items():
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], float(getattr(spec, field)))
+                yield c
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by position in the draft.", labels=["model_name", "position"])
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                c.add_metric([self.model_name, str(pos)], float(n))
             yield c
 
 

@@ -9,9 +9,10 @@ arrive in the ``SchedulerOutput`` diffs and live in its ``InputBatch``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,8 +20,9 @@ from pdserve.kernels.base import AttentionMetadata
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.kv_cache_manager import cdiv
 from pdserve.runtime.input_batch import InputBatch
+from pdserve.runtime.rejection_sampler import verify
 from pdserve.runtime.sampler import Sampler
-from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.runtime.sched_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +34,13 @@ class ForwardOutput:
     """What one forward pass leaves for the sampler: the rows that reached the end of their tokens."""
 
     req_ids: list[str]            # requests to sample, in batch order
-    logits: torch.Tensor          # (N, vocab) float32
-    hidden_states: torch.Tensor   # (N, hidden): the last position's hidden state per row (e.g. for a draft model)
-    grammar_bitmask: torch.Tensor | None = None   # (N, ceil(vocab/32)) int32 of the rows, all ones where free
-    grammar_rows: list[int] | None = None         # rows a grammar constrains
+    logits: torch.Tensor          # (N, vocab) float32; N = len(req_ids) + the number of drafts being verified
+    hidden_states: torch.Tensor   # (N, hidden): the hidden state at each of those positions (e.g. for a draft model)
+    # request id -> drafts being verified: such a request has len(drafts) + 1 consecutive rows (its positions from
+    # the last real token on), the others one row each
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    grammar_bitmask: torch.Tensor | None = None   # (len(req_ids), ceil(vocab/32)) int32, all ones where free
+    grammar_rows: list[int] | None = None         # rows (indices into req_ids) a grammar constrains
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -70,65 +75,53 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         self.batch = InputBatch(device)
         self.sampler = Sampler(device, seed)
+        self.proposer = None      # speculative decoding: proposes drafts after sampling (runtime/spec_propose.py)
         self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
         self.batch.update(out)
+        if self.proposer is not None:
+            self.proposer.forget(out.finished_req_ids.union(out.preempted_req_ids))
 
-    def build_metadata(self, req_ids: list[str], num_scheduled: dict[str, int]
+    def build_metadata(self, req_ids: list[str], num_scheduled: dict[str, int],
+                       spec: dict[str, list[int]] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids (T,), positions (T,), metadata) for the rows ``req_ids``, on the model's device."""
+        """(input_ids (T,), positions (T,), metadata) for the rows ``req_ids``, on the model's device. A row's query
+        tokens are its scheduled token ids, followed by its draft tokens (``spec``) when it has some."""
         states = [self.batch.requests[r] for r in req_ids]
-        q_lens = [num_scheduled[r] for r in req_ids]
+        spec = spec or {}
         starts = [s.num_computed_tokens for s in states]
-        seq_lens = [a + b for a, b in zip(starts, q_lens)]
-        max_blocks = max(cdiv(n, self.block_size) for n in seq_lens)
-        rows = []
-        for s, n in zip(states, seq_lens):
-            ids = s.block_ids[: cdiv(n, self.block_size)]
-            rows.append(ids + [0] * (max_blocks - len(ids)))
-        table = torch.tensor(rows, dtype=torch.int32)                                      # (S, max_blocks)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        qsl = torch.zeros(len(states) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=qsl[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(states)), q_lens_t)                # (T,)
-        positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
-        slots = table[seq_idx, positions // self.block_size].to(torch.int64) * self.block_size \
-            + positions % self.block_size
-        input_ids = torch.tensor([t for s, a, n in zip(states, starts, seq_lens) for t in s.token_ids[a:n]],
-                                 dtype=torch.int64)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
-        return input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta
+        tokens = [s.token_ids[a:a + num_scheduled[r] - len(spec.get(r, ()))] + spec.get(r, [])
+                  for r, s, a in zip(req_ids, states, starts)]
+        return attention_inputs(tokens, starts, [s.block_ids for s in states], self.block_size, self.device)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, req_ids: list[str] | None = None) -> ForwardOutput | None:
         """Forward pass over the step's scheduled requests (or only ``req_ids``, for a per-request retry). Returns the
-        logits of the rows whose chunk reached the end of their tokens, or None when no row samples."""
+        logits of the rows whose chunk reached the end of their tokens (for a row verifying drafts: at its last real
+        token and at every draft), or None when no row samples."""
         req_ids = list(out.num_scheduled_tokens) if req_ids is None else req_ids
         if not req_ids:
             return None
-        input_ids, positions, meta = self.build_metadata(req_ids, out.num_scheduled_tokens)
+        spec = out.scheduled_spec_decode_tokens
+        input_ids, positions, meta = self.build_metadata(req_ids, out.num_scheduled_tokens, spec)
         states = self.batch.requests
         lora = nullcontext() if self.lora is None else self.lora.step_context(
             [states[r].lora_id for r in req_ids], meta.query_lens_cpu, self.device)
         with lora:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)                   # (T, hidden)
         rows = [i for i, r in enumerate(req_ids)
-                if states[r].num_computed_tokens + out.num_scheduled_tokens[r] >= len(states[r].token_ids)]
+                if states[r].num_computed_tokens + out.num_scheduled_tokens[r] - len(spec.get(r, ()))
+                >= len(states[r].token_ids)]
         if not rows:
             return None
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
-        hidden = hidden[last[rows]]                                                          # (N, hidden)
+        idx = torch.cat([torch.arange(-len(spec.get(req_ids[i], ())), 1, device=last.device) + last[i] for i in rows])
+        hidden = hidden[idx]                                                                 # (N, hidden)
         logits = self.model.compute_logits(hidden)                                           # (N, vocab)
-        fwd = ForwardOutput([req_ids[i] for i in rows], logits.float(), hidden)
+        sampled = [req_ids[i] for i in rows]
+        fwd = ForwardOutput(sampled, logits.float(), hidden, {r: spec[r] for r in sampled if spec.get(r)})
         if out.grammar_bitmask is not None:
             self._attach_grammar(fwd, out)
         return fwd
@@ -147,13 +140,71 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, fwd: ForwardOutput | None) -> ModelRunnerOutput:
-        """Sample one token per row of ``fwd`` and append it to the batch (only once the whole draw succeeded)."""
+        """Sample each row of ``fwd`` (one token, or for a row verifying drafts the accepted ones plus one) and append
+        the tokens to the batch (only once the whole draw succeeded); then propose the next step's drafts."""
         if fwd is None:
             return ModelRunnerOutput()
-        meta = self.batch.sampling_metadata(fwd.req_ids)
-        meta.grammar_bitmask, meta.grammar_rows = fwd.grammar_bitmask, fwd.grammar_rows
-        sampled = self.sampler(fwd.logits, meta)
-        for rid, t in zip(fwd.req_ids, sampled):
-            self.batch.append_sampled(rid, [t.token_id])
-        return ModelRunnerOutput(req_ids=list(fwd.req_ids), sampled_token_ids=[[t.token_id] for t in sampled],
-                                 logprobs=[None if t.logprobs is None else [t.logprobs] for t in sampled])
+        plain = [i for i, r in enumerate(fwd.req_ids) if r not in fwd.spec]
+        tokens: dict[str, list[SampledToken]] = {}
+        if not fwd.spec:
+            rows = fwd.logits
+        else:   # row offsets: a verifying request spans len(drafts) + 1 rows
+            sizes = [len(fwd.spec.get(r, ())) + 1 for r in fwd.req_ids]
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
+            rows = fwd.logits[[offsets[i] for i in plain]]
+            spec_ids = [r for r in fwd.req_ids if r in fwd.spec]
+            meta = self.batch.sampling_metadata(spec_ids)
+            idx = [j for i, r in enumerate(fwd.req_ids) if r in fwd.spec for j in range(offsets[i], offsets[i] + sizes[i])]
+            q = [self.proposer.draft_probs(r) if self.proposer is not None else None for r in spec_ids]
+            verified = verify(fwd.logits[idx], meta.params, meta.generators, [fwd.spec[r] for r in spec_ids], q)
+            tokens.update(zip(spec_ids, verified))
+        if plain:
+            ids = [fwd.req_ids[i] for i in plain]
+            meta = self.batch.sampling_metadata(ids)
+            if fwd.grammar_rows:   # grammar requests never verify drafts: all their rows are plain rows
+                constrained = set(fwd.grammar_rows)
+                meta.grammar_bitmask = fwd.grammar_bitmask[plain]
+                meta.grammar_rows = [j for j, i in enumerate(plain) if i in constrained]
+            tokens.update((r, [t]) for r, t in zip(ids, self.sampler(rows, meta)))
+        out = ModelRunnerOutput()
+        for rid in fwd.req_ids:
+            toks = tokens[rid]
+            self.batch.append_sampled(rid, [t.token_id for t in toks])
+            out.req_ids.append(rid)
+            out.sampled_token_ids.append([t.token_id for t in toks])
+            out.logprobs.append(None if toks[0].logprobs is None else [t.logprobs for t in toks])
+        if self.proposer is not None:
+            # no drafts under a grammar: its bitmask constrains one position per step
+            grammar = {fwd.req_ids[i] for i in fwd.grammar_rows or ()}
+            states = [self.batch.requests[r] for r in fwd.req_ids if r not in grammar]
+            out.spec_token_ids = self.proposer.propose(states, len(self.batch.req_ids))
+        return out
+
+
+def attention_inputs(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids (T,), positions (T,), metadata) for sequences whose query ``tokens[i]`` start at position
+    ``starts[i]``, addressed through ``block_ids[i]`` (the runner's rows, and a draft model on its own KV tensor)."""
+    q_lens = [len(t) for t in tokens]
+    seq_lens = [a + b for a, b in zip(starts, q_lens)]
+    max_blocks = max(cdiv(n, block_size) for n in seq_lens)
+    rows = []
+    for ids, n in zip(block_ids, seq_lens):
+        ids = ids[: cdiv(n, block_size)]
+        rows.append(ids + [0] * (max_blocks - len(ids)))
+    table = torch.tensor(rows, dtype=torch.int32)                                          # (S, max_blocks)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    qsl = torch.zeros(len(tokens) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens_t, 0, out=qsl[1:])
+    seq_idx = torch.repeat_interleave(torch.arange(len(tokens)), q_lens_t)                    # (T,)
+    positions = torch.arange(int(qsl[-1])) - qsl[:-1][seq_idx] + torch.tensor(starts)[seq_idx]
+    slots = table[seq_idx, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device, non_blocking=True),
+        query_start_loc=qsl.to(torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
+    return input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True), meta

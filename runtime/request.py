@@ -75,6 +75,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.kv_transfer: dict[str, Any] = {}   # the connector's record of a remote-KV load (for tracing)
+        self.spec_token_ids: list[int] = []     # draft tokens to verify next step (runtime/spec_propose.py)
         # Chained hashes of every full block of all_token_ids, extended as tokens are appended.
         self._block_hashes: list[BlockHash] = hash_token_blocks(self.all_token_ids, block_size, cache_salt,
                                                                     lora_digest=self.lora_digest)

@@ -91,6 +91,8 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[PositionLogprobs] | None] = field(default_factory=list)
+    # draft tokens proposed for the next step, per request (issue 13; the scheduler caps and schedules them)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     _index: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def get(self, req_id: str) -> tuple[list[int], list[PositionLogprobs] | None] | None:
@@ -104,4 +106,5 @@ class ModelRunnerOutput:
         self.req_ids += other.req_ids
         self.sampled_token_ids += other.sampled_token_ids
         self.logprobs += other.logprobs
+        self.spec_token_ids.update(other.spec_token_ids)
         self._index = None

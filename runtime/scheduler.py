@@ -27,6 +27,7 @@ from pdserve.runtime.kv_events import KVEvent
 from pdserve.runtime.kv_transfer_tracker import KVTransferTracker
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pdserve.runtime.spec_stats import SpecDecodingStats
 from pdserve.runtime.stop_checker import StopChecker
 
 
@@ -56,6 +57,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.num_lookahead_tokens = 0                 # extra slots a draft model writes its drafts' KV into
+        self.spec_stats = SpecDecodingStats()
 
     # ---- queue -----------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,6 +125,11 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget)
+            if drafts and (self.kv.allocate_slots(req, num_new + len(drafts) + self.num_lookahead_tokens) is not None
+                           or self.kv.allocate_slots(req, num_new + len(drafts)) is not None):
+                num_new += len(drafts)                  # drafts are extra query tokens of this step
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self._pick_victim()
                 vidx = self.running.index(victim)
@@ -132,6 +140,7 @@ class Scheduler:
                         break
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
+                out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 if vidx < idx:
                     idx -= 1
                 if victim is req:
@@ -170,6 +179,14 @@ class Scheduler:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 rid, resumed, ids if resumed else ids[sent:], list(req.all_token_ids) if resumed else [],
                 req.num_computed_tokens, req.num_output_tokens))
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's proposed drafts that fit this step: only at its decode point, within the token budget and
+        never more than can be emitted before max_tokens / max_len (a step emits at most drafts + 1 tokens)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(0, room)]
 
     def _admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         skipped: list[Request] = []
@@ -244,6 +261,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self._runner_blocks[req.request_id] = None
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -265,11 +283,21 @@ class Scheduler:
                 continue
             start = starts[rid]
             self.prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
-            req.num_computed_tokens = start + n
+            got = runner_out.get(rid)
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            computed = start + n
+            if drafts and got is not None:
+                # Rejected drafts' KV slots roll back: only accepted tokens count as computed (the next step rewrites
+                # those slots, and blocks are hashed only up to num_computed_tokens).
+                num_accepted = len(got[0]) - 1
+                computed -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
+            # Accepted drafts are not in all_token_ids yet: hash only what is there now (the rest after appending).
+            req.num_computed_tokens = min(computed, req.num_tokens)
             self.kv.cache_blocks(req, req.num_computed_tokens)
             if self.connector is not None:
                 self.connector.request_scheduled_for_save(req, self.kv.get_block_ids(rid), req.num_computed_tokens)
-            got = runner_out.get(rid)
+            req.num_computed_tokens = computed
             if got is None:
                 continue
             token_ids, logprobs = got
@@ -281,8 +309,12 @@ class Scheduler:
                     lp = logprobs[k] if logprobs else {}
                     req.logprobs.append(lp)
                     req.cumulative_logprob += lp.get(token_id, 0.0)
-                if self._check_stop(req, token_id):
+                if self._check_stop(req, token_id):   # the rest of an accepted run is dropped, as if never sampled
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     break
+            if drafts and not req.is_finished:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.spec_token_ids = [] if req.is_finished else runner_out.spec_token_ids.get(rid, [])
         for req in self.finished_out:
             touched[req.request_id] = req
         self.finished_out = []
