@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import sys
@@ -135,13 +136,15 @@ def compare(args) -> None:
     for rnd in range(args.rounds):
         print(f"round {rnd + 1}/{args.rounds}:", flush=True)
         port = llamacpp.free_port()
-        with llamacpp.running(pdserve_cmd(port, args.model), "/health", port, log=logs / "pdserve.log") as base:
-            name = httpx_get(base + "/v1/models")["data"][0]["id"]
-            asyncio.run(drive(base, name, workload_warmup(vocab), 4))
-            record("pdserve", asyncio.run(drive(base, name, reqs, args.concurrency)))
-            if args.decode and rnd == 0:
-                for n in args.decode_seqs:
-                    decode["pdserve"][n] = decode_rate(base, name, n, vocab, args.seed + n, *args.decode_tokens)
+        with (contextlib.nullcontext() if args.skip_pdserve else
+              llamacpp.running(pdserve_cmd(port, args.model), "/health", port, log=logs / "pdserve.log")) as base:
+            if base is not None:
+                name = httpx_get(base + "/v1/models")["data"][0]["id"]
+                asyncio.run(drive(base, name, workload_warmup(vocab), 4))
+                record("pdserve", asyncio.run(drive(base, name, reqs, args.concurrency)))
+                if args.decode and rnd == 0:
+                    for n in args.decode_seqs:
+                        decode["pdserve"][n] = decode_rate(base, name, n, vocab, args.seed + n, *args.decode_tokens)
         if tree is not None:
             port = llamacpp.free_port()
             cmd = llamacpp.server_cmd(tree, gguf, port, args.llamacpp_threads, args.llamacpp_slots,
@@ -162,18 +165,18 @@ def compare(args) -> None:
     print(f"best of {args.rounds} round(s), output tok/s (logs in {logs}):")
     for name, dt in best.items():
         print(f"  {name:13s} {useful / dt:8.1f}")
-    if "llama.cpp" in best:
+    if "llama.cpp" in best and "pdserve" in best:
         print(f"ratio pdserve / llama.cpp:    {best['llama.cpp'] / best['pdserve']:.2f}x")
-    if "transformers" in best:
+    if "transformers" in best and "pdserve" in best:
         print(f"ratio pdserve / transformers: {best['transformers'] / best['pdserve']:.2f}x "
               f"(transformers {args.hf_dtype}, static batches of {args.batch_size})")
     if args.decode:
         print(f"decode-only steady state, output tok/s (tokens {args.decode_tokens[0]}->{args.decode_tokens[1]}):")
         for n in args.decode_seqs:
             a, b = decode["pdserve"].get(n), decode["llama.cpp"].get(n)
-            line = f"  {n:3d} running: pdserve {a:8.1f}"
-            if b:
-                line += f"   llama.cpp {b:8.1f}   ratio {a / b:.2f}x"
+            line = f"  {n:3d} running:" + (f" pdserve {a:8.1f}" if a else "") + (f"   llama.cpp {b:8.1f}" if b else "")
+            if a and b:
+                line += f"   ratio {a / b:.2f}x"
             print(line)
 
 
@@ -268,6 +271,7 @@ def main() -> None:
     p.add_argument("--llamacpp-threads", type=int, default=2)
     p.add_argument("--llamacpp-slots", type=int, default=32)
     p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--skip-pdserve", action="store_true", help="compare mode: run the baselines only")
     p.add_argument("--decode", action="store_true", help="compare mode: also decode-only tok/s per concurrency")
     p.add_argument("--decode-seqs", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--decode-tokens", type=lambda t: [int(x) for x in t.split(",")], default=[16, 80],
