@@ -1,7 +1,7 @@
 """Prompt token ids as the pod will see them: the chat template rendered and tokenized with the model's tokenizer.
 
-Mirrors the runtime's rules (``runtime/server.py``): completions take a string (tokenized without adding special
-tokens) or token ids, and a one-element batch; chat renders ``messages`` (text parts joined) with
+Mirrors the runtime's rules (``runtime/request_mapping.py``): completions take a string (tokenized without adding
+special tokens) or token ids, and a one-element batch; chat renders ``messages`` (text parts joined) with
 ``add_generation_prompt``. The tokenizer is loaded with ``transformers.PreTrainedTokenizerFast`` (``AutoTokenizer``
 imports torch in transformers 5; this class does not), so the router stays torch-free. The default model's directory
 is resolved by ``pdserve.runtime.model_loader`` in a short-lived subprocess, because that module imports torch.

@@ -7,7 +7,8 @@ engine's ``ValueError`` back) and receives outputs through one ``RequestStream``
 request is bounded however slowly its client reads.
 
 The thread steps while the engine has unfinished requests and sleeps on an event otherwise. After every step it
-publishes KV events (if a publisher is attached) and stores a stats snapshot for ``/metrics``.
+publishes KV events (if a publisher is attached), stores a stats snapshot for ``/metrics`` and records whether the
+engine still has work (``engine_busy``: requests, or KV transfers still holding blocks), which a drain waits for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
+from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
 from pdserve.runtime.metrics import ServerMetrics
 from pdserve.runtime.outputs import RequestOutput
@@ -74,13 +76,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, *, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: EngineClient, *, metrics: ServerMetrics | None = None,
                  kv_publisher: KVEventPublisher | None = None, idle_poll_s: float = 0.5):
         self.engine = engine
         self.metrics = metrics
         self.kv_publisher = kv_publisher
         self.idle_poll_s = idle_poll_s
         self.dead: BaseException | None = None
+        self.engine_busy = False   # written by the engine thread only (a bool store is atomic)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
         # (command, the future its caller awaits or None): failed, not dropped, if the engine thread dies
@@ -187,11 +190,14 @@ class AsyncEngine:
                         command()
                     except Exception:  # noqa: BLE001 - an abort of an unknown id must not stop the loop
                         logger.exception("engine command failed")
-                if not self.engine.has_unfinished_requests():
+                self.engine_busy = self.engine.has_unfinished_requests()
+                if not self.engine_busy:
                     self._after_step(0)
                     self._wake.wait(self.idle_poll_s)
                     continue
                 outputs = self.engine.step()
+                # before the outputs are dispatched: a request that finished holding KV for a reader still counts
+                self.engine_busy = self.engine.has_unfinished_requests()
                 self._after_step(len(outputs))
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
@@ -210,9 +216,9 @@ class AsyncEngine:
                 self.metrics.kv_event_batches.inc()
         if self.metrics is not None:
             self.metrics.set_engine_stats(self.engine.get_stats())
-            connector = getattr(self.engine, "connector", None)
+            connector = self.engine.connector
             if connector is not None:
-                self.metrics.set_connector_metrics(connector.metrics(), getattr(connector, "name", None))
+                self.metrics.set_connector_metrics(connector.metrics(), self.engine.config.kv_transfer.connector)
             if batch_size:
                 self.metrics.observe_step(batch_size)
 

@@ -10,10 +10,13 @@ import json
 import logging
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve import tracing
 from pdserve.runtime import envs
+
+if TYPE_CHECKING:
+    from pdserve.runtime.server_state import ServerOptions
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -143,14 +146,27 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Flat options for ``EngineConfig.from_options`` (None values fall back to the config defaults)."""
     return dict(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-        quantization=getattr(args, "quantization", None),
+        quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed, device=args.device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        policy=args.scheduling_policy, max_waiting=args.max_waiting, kv_connector=args.kv_connector,
+        policy=args.scheduling_policy, kv_connector=args.kv_connector,
         kv_role=args.role, kv_connector_config=args.kv_connector_config,
         kv_load_failure_policy=args.kv_load_failure_policy)
+
+
+def server_options(args: argparse.Namespace) -> "ServerOptions":
+    """The server's options (everything that is not the engine's); the API key falls back to PDSERVE_API_KEY."""
+    from pdserve.runtime.server_state import KVEventsOptions, ServerOptions
+
+    kv_events = None
+    if args.kv_events_port:
+        kv_events = KVEventsOptions(port=args.kv_events_port, host=args.kv_events_host,
+                                    replay_port=args.kv_events_replay_port or None, topic=args.kv_events_topic)
+    return ServerOptions(api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting, role=args.role,
+                         host=args.host, port=args.port, shutdown_grace_period=args.shutdown_grace_period,
+                         log_level=args.log_level, kv_events=kv_events)
 
 
 def check_kv_secret(args: argparse.Namespace) -> str | None:
@@ -181,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2
-    from pdserve.runtime.server import run_server
+    from pdserve.runtime.api_server import run_server
+    from pdserve.runtime.config import EngineConfig
 
     tracing.configure(args.otlp_traces_endpoint, f"pdserve-{args.role}")
-    return run_server(args)
+    return run_server(EngineConfig.from_options(**engine_options(args)), server_options(args))

@@ -1,4 +1,4 @@
-"""LLMEngine: one step = schedule -> (connector loads) -> run the model + sample -> (connector saves) -> postprocess.
+"""LLMEngine: one step = schedule -> load (connector) -> forward -> sample -> save (connector) -> update -> postprocess.
 
 Single-threaded by contract: the server wraps it in one thread (pdserve.runtime.async_engine). Every call below is
 cheap except ``step()``. ``n > 1`` fans a request out into n child requests that share the prompt's cached blocks and
@@ -24,7 +24,8 @@ from pdserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOut
 from pdserve.runtime.quantization import weight_bytes
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.runtime.scheduler import Scheduler
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
@@ -164,17 +165,48 @@ class LLMEngine:
 
     # ---- step ------------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, sample, postprocess. Returns outputs of requests that progressed or finished this step."""
-        sched_out = self.scheduler.schedule()
-        meta = sched_out.connector_meta
+        """One engine step. Returns outputs of requests that progressed or finished this step."""
+        sched_out = self.scheduler.schedule()                               # schedule
+        meta = sched_out.kv_connector_metadata
         if self.connector is not None and meta is not None:
-            self.connector.start_load_kv(meta)
-        sampled = self._execute(sched_out)
+            self.connector.start_load_kv(meta)                              # load
+        self.runner.update_states(sched_out)
+        runner_out = self._execute(sched_out)                               # forward + sample (isolated on failure)
         if self.connector is not None and meta is not None:
-            self.connector.save_kv(meta)
-        progressed = self.scheduler.update_from_output(sched_out, sampled)
-        if not sched_out.scheduled and not progressed:
+            self.connector.save_kv(meta)                                    # save
+        progressed = self.scheduler.update_from_output(sched_out, runner_out)   # update
+        if not sched_out.num_scheduled_tokens and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
+        return self._postprocess_all(progressed)                            # postprocess
+
+    def _forward_and_sample(self, sched_out: SchedulerOutput, req_ids: list[str] | None = None) -> ModelRunnerOutput:
+        fwd = self.runner.execute_model(sched_out, req_ids)                 # forward
+        return self.runner.sample(fwd)                                      # sample
+
+    def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. If it raises, run each sequence alone and fail only those that still raise: no counter has
+        moved yet and recomputing a sequence writes the same KV to the same slots, so the retry is exact (a seeded
+        generator may have advanced, which only changes that request's draw). A device fault stays fatal."""
+        try:
+            return self._forward_and_sample(sched_out)
+        except Exception as e:  # noqa: BLE001
+            if _is_device_fault(e) or not sched_out.num_scheduled_tokens:
+                raise
+            log.exception("step over %d sequences failed; retrying them one by one", len(sched_out.num_scheduled_tokens))
+        out = ModelRunnerOutput()
+        for rid in sched_out.num_scheduled_tokens:
+            try:
+                out.extend(self._forward_and_sample(sched_out, [rid]))
+            except Exception as e:  # noqa: BLE001
+                if _is_device_fault(e):
+                    raise
+                log.exception("request %s failed in its step", rid)
+                req = self._requests.get(rid)
+                if req is not None and not req.is_finished:
+                    self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
+        return out
+
+    def _postprocess_all(self, progressed: list[Request]) -> list[RequestOutput]:
         now = time.time()
         outputs = []
         for req in progressed:
@@ -190,29 +222,6 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run the step. If it raises, run each sequence alone and fail only those that still raise: no counter has
-        moved yet and recomputing a sequence writes the same KV to the same slots, so the retry is exact (a seeded
-        generator may have advanced, which only changes that request's draw). A device fault stays fatal."""
-        try:
-            return self.runner.execute(sched_out, self._requests)
-        except Exception as e:  # noqa: BLE001
-            if _is_device_fault(e) or len(sched_out.scheduled) == 0:
-                raise
-            log.exception("step over %d sequences failed; retrying them one by one", len(sched_out.scheduled))
-        sampled: dict[str, SampledToken] = {}
-        for s in sched_out.scheduled:
-            try:
-                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self._requests))
-            except Exception as e:  # noqa: BLE001
-                if _is_device_fault(e):
-                    raise
-                log.exception("request %s failed in its step", s.request_id)
-                req = self._requests.get(s.request_id)
-                if req is not None and not req.is_finished:
-                    self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
-        return sampled
 
     def _fail_output(self, req: Request, error: Exception) -> RequestOutput | None:
         """The error output of a request whose postprocessing raised (it is finished and forgotten)."""

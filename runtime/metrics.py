@@ -94,7 +94,7 @@ class _ConnectorCollector(Collector):
 class ServerMetrics:
     """All metrics of one server. Thread-safe: prometheus_client metrics lock internally."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, kv_connector: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self._stats = _EngineStatsCollector(model_name)
@@ -126,6 +126,11 @@ class ServerMetrics:
         self.model_weight_bytes = Gauge("pdserve:model_weight_bytes",
                                         "Bytes the model weights occupy (quantized codes and scales included).", m,
                                         registry=r).labels(model_name)
+        # Counted by the server (it answers the 403), exported beside the connector's own counters.
+        self._handoffs_rejected = Counter("pdserve:kv_connector_handoffs_rejected",
+                                          "Requests refused for asking to hold KV for a remote decode without the "
+                                          "router's handoff header or the API key.", m,
+                                          registry=r).labels(model_name) if kv_connector else None
         self._max_batch = 0
         for reason in ("queue_full", "draining"):   # exist from start: rate() and alerts see 0, not nothing
             self._rejected.labels(model_name, reason)
@@ -154,6 +159,10 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def kv_handoff_rejected(self) -> None:
+        if self._handoffs_rejected is not None:
+            self._handoffs_rejected.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from pdserve.runtime import validation
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.validation import InvalidParam
 
+RETRY_AFTER_S = "1"   # the Retry-After of every 503 (overloaded, draining, engine down)
 
 
 class ApiError(Exception):
@@ -46,7 +47,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingRequest(_Request):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras). Shapes only here: ranges are
     checked by ``validation`` when ``parse`` builds the request's ``SamplingParams``."""
 
@@ -130,7 +131,7 @@ class _SamplingFields(_Request):
         self.sampling_params(self.token_limit())
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -182,7 +183,7 @@ class ChatMessage(_Request):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -246,6 +247,6 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         if err.get("type") == "missing":
             msg = f"missing required field {param!r}"
         raise ApiError(400, msg if param is None else f"{param}: {msg}", param=param) from None
-    if isinstance(req, _SamplingFields):
+    if isinstance(req, SamplingRequest):
         req.validate_ranges()
     return req

@@ -70,7 +70,6 @@ class Request:
         self.num_recomputed_tokens = 0
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.generator: Any = None         # torch.Generator for seeded sampling, created by the sampler
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.kv_transfer: dict[str, Any] = {}   # the connector's record of a remote-KV load (for tracing)

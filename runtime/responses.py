@@ -14,11 +14,12 @@ import functools
 import time
 from typing import Any
 
+from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 class ResponseBuilder:
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineClient):
         self.model = engine.served_model_name
         self._decode_one = functools.lru_cache(maxsize=65536)(lambda t: engine.tokenizer.decode([t]))
 

@@ -1,66 +1,82 @@
 """Batched sampling from the logits of the sequences that reached their end this step.
 
-Order (vLLM/HF): penalties and min_tokens masking on the raw logits -> greedy rows take the argmax -> temperature ->
-top-k -> top-p -> min-p -> a random draw (exponential race, so a seeded row uses only its own generator).
-Logprobs are reported from the raw model distribution (log_softmax of the unprocessed logits), as vLLM does.
+Order (vLLM/HF): grammar bitmask, penalties and min_tokens masking on the raw logits -> greedy rows take the argmax ->
+temperature -> top-k -> top-p -> min-p -> a random draw (exponential race, so a seeded row uses only its own
+generator). Logprobs are reported from the raw model distribution (log_softmax of the unprocessed logits), as vLLM
+does. The sampler sees only ``SamplingMetadata`` (built by the runner's persistent batch), never a scheduler request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.runtime.request import Request
-from pdserve.runtime.scheduler import SampledToken
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.sched_output import SampledToken
+
+
+@dataclass
+class SamplingMetadata:
+    """Per row of the logits: the request's parameters and the history the penalties need."""
+
+    req_ids: list[str]
+    params: list[SamplingParams]            # temperature, top-k/p, min-p, penalties, logprobs count per row
+    generators: list[torch.Generator | None]  # the row's seeded generator (persists across steps), None: global RNG
+    all_token_ids: list[list[int]]          # prompt + output (repetition penalty)
+    output_token_ids: list[list[int]]       # output only (presence / frequency penalties)
+    banned_token_ids: list[list[int]]       # EOS and stop ids while below min_tokens
+    allowed_token_mask: torch.Tensor | None = None   # (N, vocab) bool from a grammar (issue 11); None: all allowed
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.allowed_token_mask is not None or any(
+            p.has_penalties or not p.greedy for p in self.params) or any(self.banned_token_ids)
 
 
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
-        """logits: (N, vocab) float32, row i belongs to requests[i]. Returns one sampled token per row."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
+        """logits: (N, vocab) float32, row i belongs to meta.req_ids[i]. Returns one sampled token per row."""
         raw = logits
-        logits = logits.clone() if any(_needs_processing(r) for r in requests) else logits
-        for i, req in enumerate(requests):
-            sp = req.sampling_params
+        params = meta.params
+        logits = logits.clone() if meta.needs_processing else logits
+        if meta.allowed_token_mask is not None:
+            logits.masked_fill_(~meta.allowed_token_mask, float("-inf"))
+        for i, sp in enumerate(params):
             if sp.has_penalties:
-                _apply_penalties(logits[i], req, self.device)
-            if req.num_output_tokens < sp.min_tokens:
-                banned = list(sp.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
-                if banned:
-                    logits[i, banned] = float("-inf")
+                _apply_penalties(logits[i], sp, meta.all_token_ids[i], meta.output_token_ids[i], self.device)
+            if meta.banned_token_ids[i]:
+                logits[i, meta.banned_token_ids[i]] = float("-inf")
 
-        greedy = [r.sampling_params.greedy for r in requests]
+        greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            sub = logits[rows] / torch.tensor([requests[i].sampling_params.temperature for i in rows],
+            sub = logits[rows] / torch.tensor([params[i].temperature for i in rows],
                                               device=logits.device, dtype=logits.dtype).unsqueeze(1)
-            sub = _top_k_top_p_min_p(sub, [requests[i].sampling_params for i in rows])
+            sub = _top_k_top_p_min_p(sub, [params[i] for i in rows])
             probs = sub.softmax(dim=-1)
             q = torch.empty_like(probs)
             for j, i in enumerate(rows):
-                req = requests[i]
-                if req.sampling_params.seed is not None:
-                    if req.generator is None:
-                        req.generator = torch.Generator(device=logits.device).manual_seed(req.sampling_params.seed)
-                    q[j].exponential_(generator=req.generator)
+                if meta.generators[i] is not None:
+                    q[j].exponential_(generator=meta.generators[i])
                 else:
                     q[j].exponential_()
             token_ids[rows] = (probs / q).argmax(dim=-1)
 
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
-        want = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             lp = raw[want].float().log_softmax(dim=-1)
-            k = max(requests[i].sampling_params.logprobs for i in want)
+            k = max(params[i].logprobs for i in want)
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
             chosen = lp.gather(1, token_ids[want].unsqueeze(1)).squeeze(1).tolist()
             for j, i in enumerate(want):
-                n = requests[i].sampling_params.logprobs
+                n = params[i].logprobs
                 d = {ids[i]: chosen[j]}
                 if n:
                     d.update(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
@@ -68,19 +84,14 @@ class Sampler:
         return out
 
 
-def _needs_processing(req: Request) -> bool:
-    sp = req.sampling_params
-    return sp.has_penalties or req.num_output_tokens < sp.min_tokens or not sp.greedy
-
-
-def _apply_penalties(row: torch.Tensor, req: Request, device: torch.device) -> None:
-    sp = req.sampling_params
+def _apply_penalties(row: torch.Tensor, sp: SamplingParams, all_ids: list[int], output_ids: list[int],
+                     device: torch.device) -> None:
     if sp.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), device=device, dtype=torch.long)
+        seen = torch.tensor(sorted(set(all_ids)), device=device, dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-    if (sp.presence_penalty or sp.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, device=device, dtype=torch.long)
+    if (sp.presence_penalty or sp.frequency_penalty) and output_ids:
+        out = torch.tensor(output_ids, device=device, dtype=torch.long)
         counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
         row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
 

@@ -16,43 +16,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-from pdserve.kv_connectors.base import KVConnectorBase, KVConnectorMetadata
+from pdserve.kv_connectors.base import KVConnectorBase
 from pdserve.runtime.config import CacheConfig, SchedulerConfig
 from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One sequence's share of a step: compute ``token_ids`` at positions ``start_pos ..``; sample after it if
-    ``sample`` (the chunk reaches the end of the request's tokens)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    connector_meta: KVConnectorMetadata | None = None
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None = None   # sampled token + top-k alternatives, when requested
-    logprob: float | None = None               # the sampled token's logprob, when requested
+from pdserve.runtime.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -74,6 +43,9 @@ class Scheduler:
         self.finished_out: list[Request] = []         # finished outside update() (e.g. failed loads), to report
         self._num_external: dict[str, int] = {}       # async-load tokens pending per request
         self._bad_blocks: set[int] = set()            # reported invalid, waiting for their async load to end
+        # What the model runner holds: request id -> number of block ids sent (None: preempted, send whole on resume).
+        self._runner_blocks: dict[str, int | None] = {}
+        self._finished_ids: set[str] = set()          # finished since the last schedule(): the runner drops them
         self.num_preemptions = 0
         self.kv_load_failures = 0
         self.recomputed_tokens = 0
@@ -104,6 +76,8 @@ class Scheduler:
         """Finish now and free its blocks (unless a connector holds them, or an async load is still writing them)."""
         req.status, req.stop_reason = status, stop_reason
         self.requests.pop(req.request_id, None)
+        if self._runner_blocks.pop(req.request_id, -1) != -1:
+            self._finished_ids.add(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -147,7 +121,7 @@ class Scheduler:
                         budget += n
                         break
                 self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                out.preempted_req_ids.append(victim.request_id)
                 if vidx < idx:
                     idx -= 1
                 if victim is req:
@@ -158,18 +132,33 @@ class Scheduler:
             budget -= num_new
             idx += 1
 
-        if not out.preempted_ids:
+        if not out.preempted_req_ids:
             budget = self._admit_waiting(chosen, budget)
 
         for req, n in chosen:
-            start = req.num_computed_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
-            out.scheduled.append(ScheduledRequest(req.request_id, req.all_token_ids[start:start + n], start,
-                                                  self.kv.get_block_ids(req.request_id), start + n == req.num_tokens))
+            out.num_scheduled_tokens[req.request_id] = n
+            self._add_request_data(out, req)
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         if self.connector is not None:
-            out.connector_meta = self.connector.build_connector_meta()
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def _add_request_data(self, out: SchedulerOutput, req: Request) -> None:
+        """Send ``req`` to the runner whole (first time), as a diff, or whole again after a preemption."""
+        rid, ids = req.request_id, self.kv.get_block_ids(req.request_id)
+        sent = self._runner_blocks.get(rid, -1)
+        self._runner_blocks[rid] = len(ids)
+        if sent == -1:
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params, req.eos_token_id, ids,
+                req.num_computed_tokens))
+        else:
+            resumed = sent is None
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                rid, resumed, ids if resumed else ids[sent:], list(req.all_token_ids) if resumed else [],
+                req.num_computed_tokens, req.num_output_tokens))
 
     def _admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         skipped: list[Request] = []
@@ -238,6 +227,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._runner_blocks[req.request_id] = None
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -246,31 +236,37 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- update ----------------------------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Advance counters by what ran, append sampled tokens, apply token-level stops. Returns the requests that
         progressed (got a token, finished, or failed) this step."""
         touched: dict[str, Request] = {}
         invalid = self._poll_connector()
-        for s in out.scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None or req.request_id in invalid:
+        starts = out.num_computed_tokens()
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or rid in invalid:
                 continue
-            n = len(s.token_ids)
-            self.prompt_tokens += max(0, min(s.start_pos + n, req.num_prompt_tokens) - s.start_pos)
-            req.num_computed_tokens = s.start_pos + n
+            start = starts[rid]
+            self.prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            req.num_computed_tokens = start + n
             self.kv.cache_blocks(req, req.num_computed_tokens)
             if self.connector is not None:
-                self.connector.request_scheduled_for_save(req, s.block_ids, req.num_computed_tokens)
-            if not s.sample:
+                self.connector.request_scheduled_for_save(req, self.kv.get_block_ids(rid), req.num_computed_tokens)
+            got = runner_out.get(rid)
+            if got is None:
                 continue
-            tok = sampled[req.request_id]
-            req.append_output_token(tok.token_id)
-            self.generation_tokens += 1
-            if req.logprobs is not None:
-                req.logprobs.append(tok.logprobs or {})
-                req.cumulative_logprob += tok.logprob or 0.0
-            touched[req.request_id] = req
-            self._check_stop(req, tok.token_id)
+            token_ids, logprobs = got
+            touched[rid] = req
+            for k, token_id in enumerate(token_ids):
+                req.append_output_token(token_id)
+                self.generation_tokens += 1
+                if req.logprobs is not None:
+                    lp = logprobs[k] if logprobs else {}
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += lp.get(token_id, 0.0)
+                self._check_stop(req, token_id)
+                if req.is_finished:
+                    break
         for req in self.finished_out:
             touched[req.request_id] = req
         self.finished_out = []

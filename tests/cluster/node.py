@@ -22,11 +22,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
-from tests.operator.kubeenv import NO_WATCH_LIST, write_kubeconfig
+from tests.operator.kubeenv import NO_WATCH_LIST
+from tests.support.kube import ClusterProcesses, make_pki, write_kubeconfig
 
 NODE_NAME = "node-0"
 NODE_IP = "10.199.0.1"
@@ -37,26 +38,6 @@ SHIM_RUN_DIR = Path("/run/containerd")
 # Sysctls the kubelet sets on start (pkg/kubelet/cm setupKernelTunables); restored at stop.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_pki(d: Path) -> None:
-    """ca, an apiserver certificate for every name pods and the node use, and the service-account key pair."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-             "-subj", "/CN=pdserve-cluster-ca", cwd=d)
-    (d / "san.cnf").write_text(
-        f"subjectAltName=IP:127.0.0.1,IP:{NODE_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-        "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
-        "extendedKeyUsage=serverAuth\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
-             "-subj", "/CN=kube-apiserver", cwd=d)
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "apiserver.crt", "-days", "2", "-extfile", "san.cnf", cwd=d)
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
 def containerd_config(d: Path) -> str:
@@ -147,8 +128,10 @@ def corefile(kubeconfig: Path) -> str:
 
 
 @dataclass
-class NodeCluster:
+class NodeCluster(ClusterProcesses):
     """The cluster; ``start()`` inside the namespace (netns.network_namespace), ``stop()`` before leaving it."""
+
+    POLL_INTERVAL: ClassVar[float] = 0.5
 
     workdir: Path
     bins: Path
@@ -167,7 +150,8 @@ class NodeCluster:
     def start(self) -> NodeCluster:
         d = self.workdir
         t0 = time.monotonic()
-        make_pki(d)
+        make_pki(d, "pdserve-cluster-ca", f"IP:127.0.0.1,IP:{NODE_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+                 "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
         self.token = secrets.token_hex(16)
         (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
         (d / "resolv.conf").write_text(f"nameserver {NODE_IP}\n")
@@ -339,23 +323,9 @@ class NodeCluster:
         return sorted({p for p in points if p.startswith(prefix)}, key=len, reverse=True)
 
     # -- processes -------------------------------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")
-        env = {**os.environ, "KUBE_FEATURE_WatchListClient": "false", "PATH": f"{os.environ['PATH']}:/usr/sbin:/sbin"}
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=env)
-
-    def _check_procs(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log_tail(name)}")
-
-    def _wait(self, ok, timeout: float, what: str) -> None:
-        self.wait_for(ok, timeout, what)
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.workdir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    def _spawn_env(self) -> dict[str, str]:
+        env = super()._spawn_env()
+        return {**env, "PATH": f"{env['PATH']}:/usr/sbin:/sbin"}
 
     # -- helpers for tests -----------------------------------------------------------------------------------------
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -370,43 +340,11 @@ class NodeCluster:
         out = self.ctr("containers", "ls", "labels.\"io.cri-containerd.kind\"==sandbox", "-q", check=False)
         return out.stdout.split()
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(self.bins / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
-                             input=input, capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({out.returncode}):\n{out.stderr}")
-        return out
-
     def helm(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         out = subprocess.run([str(self.bins / "helm"), "--kubeconfig", str(self.kubeconfig), *args],
                              capture_output=True, text=True, timeout=timeout)
         assert out.returncode == 0, f"helm {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
         return out
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        r = self.http.get(path)
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        return r.json()
-
-    def wait_for(self, fn, timeout: float = 90, what: str = "condition", interval: float = 0.5,
-                 check_procs: bool = True):
-        """Poll ``fn`` until it returns a truthy value (returned); a crashed cluster process fails fast."""
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            if check_procs:
-                self._check_procs()
-            try:
-                last = fn()
-            except (httpx.HTTPError, AssertionError, KeyError, TypeError, IndexError) as e:
-                last = e
-            else:
-                if last:
-                    return last
-            time.sleep(interval)
-        raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 # First-level cgroups the cluster creates: containerd's CRI puts pods under /k8s.io when the kubelet runs without QoS

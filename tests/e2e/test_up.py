@@ -26,16 +26,18 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def monolithic_answers() -> dict[str, str]:
+def monolithic_answers() -> dict[str, tuple[str, str]]:
+    """(text, finish_reason) of a monolithic engine per prompt: greedy, so `up` must give both exactly."""
     from pdserve.runtime import LLM, SamplingParams
 
     llm = LLM(dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     chats = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
     completion = llm.generate(["The three primary colors are"], params)
-    answers = {p: o.outputs[0].text for p, o in zip(PROMPTS, chats)}
-    answers["completion"] = completion[0].outputs[0].text
+    answers = {p: (o.outputs[0].text, o.outputs[0].finish_reason) for p, o in zip(PROMPTS, chats)}
+    answers["completion"] = (completion[0].outputs[0].text, completion[0].outputs[0].finish_reason)
     llm.shutdown()
+    assert all(reason in ("stop", "length") for _, reason in answers.values())
     return answers
 
 
@@ -65,27 +67,35 @@ def test_up_serves_recovers_and_stops_cleanly(monolithic_answers):
         for prompt in PROMPTS:
             r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                max_tokens=MAX_TOKENS, temperature=0)
-            assert r.choices[0].message.content == monolithic_answers[prompt]
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                                max_tokens=MAX_TOKENS, temperature=0, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == monolithic_answers[PROMPTS[0]]
+            assert (r.choices[0].message.content, r.choices[0].finish_reason) == monolithic_answers[prompt]
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                     max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == monolithic_answers[PROMPTS[0]][0]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+            monolithic_answers[PROMPTS[0]][1]]                      # one finish, on the last choice chunk, the same
         r = client.completions.create(model=model, prompt="The three primary colors are", max_tokens=MAX_TOKENS,
                                       temperature=0)
-        assert r.choices[0].text == monolithic_answers["completion"]
+        assert (r.choices[0].text, r.choices[0].finish_reason) == monolithic_answers["completion"]
 
-        # Kill decode while a long stream is in flight: the client gets an error or a cut stream, never a hang.
+        # Kill decode while a long stream is in flight: the client gets an error, never a hang, and never anything
+        # that reads as a normal end. ignore_eos: the request's one correct finish is "length" after 400 tokens, so
+        # any finish_reason ("stop", "length", "abort", ...) or a usage chunk after the kill is a fabricated end.
         decode = next(p for p in _children(up.proc) if "--role" in p.cmdline() and "decode" in p.cmdline())
         stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to 500."}],
-                                                max_tokens=400, temperature=0, stream=True, stream_options={"include_usage": True})
-        next(iter(stream))
+                                                max_tokens=400, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
         decode.send_signal(signal.SIGKILL)
-        finished_cleanly = True
+        error = None
         try:
-            chunks = list(stream)
-            finished_cleanly = any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
-        except (APIError, httpx.HTTPError):
-            finished_cleanly = False
-        assert not finished_cleanly, "a stream whose decode pod was killed cannot have completed normally"
+            for c in stream:
+                chunks.append(c)
+        except (APIError, httpx.HTTPError) as e:
+            error = e
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == [] and all(c.usage is None for c in chunks), (
+            f"a stream whose decode pod was killed ended like a completed one: {finishes}, {chunks[-1]}")
+        assert error is not None, "the cut stream ended without an error event: the client cannot tell it was cut"
 
         # `up` restarts decode; new requests are served again (bounded wait).
         deadline, answer = time.monotonic() + 600, None
@@ -96,7 +106,7 @@ def test_up_serves_recovers_and_stops_cleanly(monolithic_answers):
                 answer = r.choices[0].message.content
             except (APIError, httpx.HTTPError):
                 time.sleep(2)
-        assert answer == monolithic_answers[PROMPTS[1]]
+        assert (answer, r.choices[0].finish_reason) == monolithic_answers[PROMPTS[1]]
 
         children = _children(up.proc)
         ports = [port] + [int(p.cmdline()[p.cmdline().index("--port") + 1]) for p in children

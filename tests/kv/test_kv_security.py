@@ -29,9 +29,10 @@ import pytest
 
 from pdserve.kv_connectors import kv_auth, side_channel
 from tests.kv.test_kv_auth import Relay
+from tests.support.deps import require
 from tests.support.server import free_port, launch_process, launch_server
 
-pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
+require("nixl_cu12", "nixl-cu12 is not installed")
 pytestmark = pytest.mark.slow
 
 SECRET = "kv-security-test-secret"

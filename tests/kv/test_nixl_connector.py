@@ -13,9 +13,10 @@ import torch
 from pdserve.kv_connectors import side_channel
 from pdserve.kv_connectors.base import KVCacheSpec, create_connector
 from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign
+from tests.support.deps import require
 from tests.support.server import free_port
 
-pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed")
+require("nixl_cu12", "nixl-cu12 is not installed")
 
 TOKEN = "test-kv-token"
 PROMPT = list(range(7, 7 + 5 * BLOCK + 3))      # 5 full blocks + 3 tokens

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from pdserve.runtime.metrics import parse_samples
+from tests.support.deps import require
 from tests.support.server import free_port, launch_process
 
-pytest.importorskip("opentelemetry.sdk", reason="the tracing extra is not installed")
+require("opentelemetry.sdk", "the tracing extra is not installed")
 from tests.observability.otlp_receiver import OTLPReceiver  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve import tracing
 from pdserve.runtime.metrics import parse_samples
+from tests.support.deps import require
 
-pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc", reason="the tracing extra is not installed")
+require("opentelemetry.exporter.otlp.proto.grpc", "the tracing extra is not installed")
 
 
 @pytest.fixture

@@ -7,19 +7,17 @@ directory; everything binds 127.0.0.1 on free ports and is stopped (process grou
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
 import ssl
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from tests.support.kube import ClusterProcesses, make_pki, write_kubeconfig  # noqa: F401 (re-exported)
 from tests.support.server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,38 +40,8 @@ def bin_dir(build: bool = True) -> Path:
     return out
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_pki(d: Path) -> None:
-    """ca.{crt,key}; apiserver.{crt,key} for 127.0.0.1/localhost; sa.{key,pub} for service-account tokens."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-             "-subj", "/CN=pdserve-test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n"
-                               "extendedKeyUsage=serverAuth\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
-             "-subj", "/CN=kube-apiserver", cwd=d)
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "apiserver.crt", "-days", "2", "-extfile", "san.cnf", cwd=d)
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-
-
-def write_kubeconfig(path: Path, server: str, ca: Path, token: str, namespace: str = "default") -> Path:
-    import base64
-
-    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
-           "clusters": [{"name": "test", "cluster": {"server": server, "certificate-authority-data":
-                                                     base64.b64encode(ca.read_bytes()).decode()}}],
-           "users": [{"name": "u", "user": {"token": token}}],
-           "contexts": [{"name": "test", "context": {"cluster": "test", "user": "u", "namespace": namespace}}]}
-    path.write_text(json.dumps(cfg))
-    return path
-
-
 @dataclass
-class Cluster:
+class Cluster(ClusterProcesses):
     workdir: Path
     bins: Path
     server: str = ""
@@ -85,7 +53,7 @@ class Cluster:
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> Cluster:
         d = self.workdir
-        make_pki(d)
+        make_pki(d, "pdserve-test-ca", "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc")
         self.token = secrets.token_hex(16)
         (d / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
@@ -148,31 +116,6 @@ class Cluster:
         if self.http:
             self.http.close()
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")
-        # see NO_WATCH_LIST; client-go reads KUBE_FEATURE_* in binaries without --feature-gates (kwok)
-        env = {**os.environ, "KUBE_FEATURE_WatchListClient": "false"}
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=env)
-
-    def _wait(self, ok, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log_tail(name)}")
-            try:
-                if ok():
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"timed out waiting for {what}")
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.workdir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
     # -- helpers for tests -----------------------------------------------------------------------------------------
     def add_fake_node(self, name: str) -> None:
         node = {"apiVersion": "v1", "kind": "Node",
@@ -183,21 +126,6 @@ class Cluster:
         r = self.http.post("/api/v1/nodes", json=node)
         assert r.status_code in (201, 409), r.text
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                kubeconfig: Path | None = None) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(self.bins / "kubectl"), "--kubeconfig", str(kubeconfig or self.kubeconfig), *args],
-                             input=input, capture_output=True, text=True, timeout=120)
-        if check and out.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({out.returncode}):\n{out.stderr}")
-        return out
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        r = self.http.get(path)
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        return r.json()
-
     def create_namespace(self, name: str) -> str:
         r = self.http.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
                                                        "metadata": {"name": name}})
@@ -205,21 +133,4 @@ class Cluster:
         self._wait(lambda: self.get(f"/api/v1/namespaces/{name}/serviceaccounts/default") is not None, 60,
                    f"default ServiceAccount in {name}")
         return name
-
-    def wait_for(self, fn, timeout: float = 90, what: str = "condition", interval: float = 0.3):
-        """Poll ``fn`` until it returns a truthy value (returned); control-plane crashes fail fast."""
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log_tail(name)}")
-            try:
-                last = fn()
-            except (httpx.HTTPError, AssertionError, KeyError, TypeError) as e:
-                last = e
-            else:
-                if last:
-                    return last
-            time.sleep(interval)
-        raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 

@@ -21,6 +21,11 @@ from typing import Any
 
 import uvicorn
 
+try:
+    from tests.router.asgi_echo import read_body, serve_lifespan
+except ImportError:  # run as a script (benchmarks/router.py): this folder is sys.path[0]
+    from asgi_echo import read_body, serve_lifespan
+
 HEALTHY = b'{"status":"ok"}'
 
 
@@ -70,11 +75,8 @@ class FakePod:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
+            await serve_lifespan(receive, send)
+            return
         st, path = self.state, scope["path"]
         if path == "/health":
             if st.record:
@@ -98,12 +100,9 @@ class FakePod:
         if path == "/v1/models":
             await _send(send, 200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return
         st.count += 1
         if not st.record and st.status == 200 and not st.delay:
             fast = self._fast.get(path)

@@ -1,4 +1,5 @@
-"""Acceptance fuzz of ``pdserve router``: hypothesis over OpenAI request bodies (``openai_bodies.router_request``),
+"""Acceptance fuzz of ``pdserve router``: hypothesis over OpenAI request bodies (``router_requests`` of
+tests/support/openai_strategies.py, the strategies the server's fuzz test draws from),
 sent over one raw keep-alive connection (so any mis-framed answer breaks the next exchange): never a 5xx, every error
 OpenAI-shaped, every answer framed exactly.
 
@@ -16,9 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from pdserve.router.config import RouterConfig
-from tests.router.openai_bodies import router_request
 from tests.router.raw_http import Conn, is_openai_error
+from tests.support.openai_strategies import router_requests
 from tests.support.server import launch_server
+
+MODEL = "SmolLM2-135M-Instruct"
+router_request = router_requests(MODEL)
 
 
 def exchange(conn: Conn, path: str, body: bytes, headers: dict[str, str]) -> None:

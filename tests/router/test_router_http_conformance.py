@@ -11,8 +11,6 @@ wrong or whose headers would split the response. Hypothesis fuzzes header sets, 
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import socket
 import time
 
@@ -20,68 +18,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.router.asgi_echo import echo_app, echo_line
 from tests.router.fake_pod import ServerThread
 from tests.router.raw_http import ClosedCleanly, Conn, is_openai_error
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-async def app(scope, receive, send):
-    """Echo: ``METHOD PATH sha256(body)[:16] len`` + the body; a few paths misbehave on purpose."""
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
-    body = b""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    path = scope["path"]
-    if path == "/wrong-length-long":  # declares 5, sends 11
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
-        await send({"type": "http.response.body", "body": b"hello world"})
-        return
-    if path == "/wrong-length-short":  # declares 50, sends 5
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"50")]})
-        await send({"type": "http.response.body", "body": b"hello"})
-        return
-    if path == "/split-header":  # a header value with CR/LF must not reach the wire
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"x-id", b"a\r\ncontent-length: 0\r\n\r\nHTTP/1.1 200 OK"),
-                                (b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-        return
-    if path == "/later":  # answers after a while (the client may have half-closed meanwhile)
-        await asyncio.sleep(0.3)
-    if path == "/raise":
-        raise RuntimeError("app bug")
-    out = b"%s %s %s %d\n" % (scope["method"].encode(), path.encode(), hashlib.sha256(body).hexdigest()[:16].encode(),
-                              len(body)) + body
-    if path == "/stream":
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        for i in range(0, len(out), 7):
-            await send({"type": "http.response.body", "body": out[i:i + 7], "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(out)).encode())]})
-    await send({"type": "http.response.body", "body": out})
-
-
-def expected(method: str, path: str, body: bytes) -> bytes:
-    return b"%s %s %s %d\n" % (method.encode(), path.encode(), hashlib.sha256(body).hexdigest()[:16].encode(),
-                               len(body)) + body
-
-
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(app, router=True) as s:
+    with ServerThread(echo_app, router=True) as s:
         yield s
 
 
@@ -98,7 +44,7 @@ def req(method: str, path: str, body: bytes | None = None, headers: bytes = b"",
 def still_in_sync(c: Conn) -> None:
     c.send(req("GET", "/after"))
     resp = c.read_response()
-    assert resp.status == 200 and resp.body == expected("GET", "/after", b""), resp
+    assert resp.status == 200 and resp.body == echo_line("GET", "/after", b""), resp
 
 
 def rejected(c: Conn, status: int = 400) -> None:
@@ -157,11 +103,11 @@ def test_chunked_edge_cases_that_are_valid(server):
         # extensions, upper-case hex, leading zeros, a trailer, an empty body
         c.send(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"3;ext=1;q=\"v\"\r\nabc\r\n00A\r\n0123456789\r\n0\r\nX-Trailer: t\r\n\r\n")
-        assert c.read_response().body == expected("POST", "/x", b"abc0123456789")
+        assert c.read_response().body == echo_line("POST", "/x", b"abc0123456789")
         c.send(req("POST", "/y", b"", chunked=True))
-        assert c.read_response().body == expected("POST", "/y", b"")
+        assert c.read_response().body == echo_line("POST", "/y", b"")
         c.send(b"POST /z HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n1\r\nq\r\n0\r\n\r\n")
-        assert c.read_response().body == expected("POST", "/z", b"q")
+        assert c.read_response().body == echo_line("POST", "/z", b"q")
         still_in_sync(c)
 
 
@@ -172,7 +118,7 @@ def test_pipelined_requests_are_answered_in_order(server):
         c.send(batch)
         for method, path, body in (("POST", "/1", b"one"), ("GET", "/2", b""), ("POST", "/3", b"three"),
                                    ("POST", "/stream", b"x" * 30), ("POST", "/5", b"five")):
-            assert c.read_response().body == expected(method, path, body)
+            assert c.read_response().body == echo_line(method, path, body)
         still_in_sync(c)
 
 
@@ -187,7 +133,7 @@ def test_header_and_body_limits(server):
     with Conn(server.port) as c:  # a large body streams through (back-pressure, no limit at this layer)
         body = bytes(range(256)) * 8192
         c.send(req("POST", "/big", body))
-        assert c.read_response().body == expected("POST", "/big", body)
+        assert c.read_response().body == echo_line("POST", "/big", body)
         still_in_sync(c)
 
 
@@ -195,10 +141,10 @@ def test_http10_and_connection_close(server):
     with Conn(server.port) as c:
         c.send(b"GET /old HTTP/1.0\r\n\r\n")
         resp = c.read_response()
-        assert resp.body == expected("GET", "/old", b"") and c.at_eof()
+        assert resp.body == echo_line("GET", "/old", b"") and c.at_eof()
     with Conn(server.port) as c:
         c.send(b"GET /ka HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
-        assert c.read_response().body == expected("GET", "/ka", b"")
+        assert c.read_response().body == echo_line("GET", "/ka", b"")
         still_in_sync(c)
 
 
@@ -206,13 +152,13 @@ def test_head_has_no_body_and_100_continue(server):
     with Conn(server.port) as c:
         c.send(req("HEAD", "/h"))
         resp = c.read_response(head_only=True)
-        assert resp.status == 200 and int(resp.header("content-length")) == len(expected("HEAD", "/h", b""))
+        assert resp.status == 200 and int(resp.header("content-length")) == len(echo_line("HEAD", "/h", b""))
         still_in_sync(c)  # a body after the HEAD answer would show up here
     with Conn(server.port) as c:
         c.send(b"POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
         assert c._line() == b"HTTP/1.1 100 Continue" and c._line() == b""
         c.send(b"abcd")
-        assert c.read_response().body == expected("POST", "/e", b"abcd")
+        assert c.read_response().body == echo_line("POST", "/e", b"abcd")
 
 
 # -- response framing is the server's, whatever the app does ----------------------------------------------------------
@@ -245,15 +191,15 @@ def test_slow_client_byte_by_byte(server):
         for i in range(len(data)):
             c.send(data[i:i + 1])
             time.sleep(0.002)
-        assert c.read_response().body == expected("POST", "/slow", b"0123456789")
+        assert c.read_response().body == echo_line("POST", "/slow", b"0123456789")
 
 
 def test_half_closed_client_still_gets_its_answers(server):
     with Conn(server.port) as c:
         c.send(req("POST", "/later", b"one") + req("POST", "/stream", b"two"))
         c.sock.shutdown(socket.SHUT_WR)
-        assert c.read_response().body == expected("POST", "/later", b"one")
-        assert c.read_response().body == expected("POST", "/stream", b"two")
+        assert c.read_response().body == echo_line("POST", "/later", b"one")
+        assert c.read_response().body == echo_line("POST", "/stream", b"two")
         assert c.at_eof()
     with Conn(server.port) as c:  # cut off mid-body by the FIN: closed, nothing answered
         c.send(b"POST /cut HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
@@ -292,7 +238,7 @@ def test_fuzz_valid_requests_pipelined_and_split_anywhere(server, reqs, cuts):
         for a, b in zip(points, points[1:]):
             c.send(data[a:b])
         for m, p, _, b, _ in reqs:
-            assert c.read_response().body == expected(m, p, b)
+            assert c.read_response().body == echo_line(m, p, b)
         still_in_sync(c)
 
 

@@ -10,30 +10,7 @@ import time
 import pytest
 
 from pdserve.router.http_server import Server
-
-
-async def echo_app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    if scope["path"] == "/stream":
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        for part in (b"one", b"two"):
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return
-    out = scope["method"].encode() + b" " + scope["path"].encode() + b" " + body
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(out)).encode())]})
-    await send({"type": "http.response.body", "body": out})
+from tests.router.asgi_echo import STREAM_PIECE, echo_app, echo_line, serve_lifespan
 
 
 @pytest.fixture
@@ -67,14 +44,18 @@ async def exchange(port: int, data: bytes, until: bytes | None = None, timeout: 
 async def test_keep_alive_pipelining_and_chunked_bodies(server):
     req = (b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
            b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
-    out = await exchange(server.port, req, until=b"POST /b abcde")
+    a, b = echo_line("POST", "/a", b"hello"), echo_line("POST", "/b", b"abcde")
+    out = await exchange(server.port, req, until=b)
     assert out.count(b"HTTP/1.1 200 OK") == 2
-    assert out.index(b"POST /a hello") < out.index(b"POST /b abcde")
+    assert out.index(a) < out.index(b) and out.endswith(b)
 
 
 async def test_streamed_response_is_chunked(server):
     out = await exchange(server.port, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", until=b"0\r\n\r\n")
-    assert b"transfer-encoding: chunked" in out and out.endswith(b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+    echo = echo_line("GET", "/stream", b"")
+    pieces = [echo[i:i + STREAM_PIECE] for i in range(0, len(echo), STREAM_PIECE)]
+    assert b"transfer-encoding: chunked" in out and out.endswith(
+        b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n")
 
 
 async def test_bad_requests_and_timeouts(server):
@@ -87,13 +68,13 @@ async def test_bad_requests_and_timeouts(server):
     assert out == b""
     # Connection: close is honoured
     out = await exchange(server.port, b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert b"connection: close" in out and out.endswith(b"GET /c ")
+    assert b"connection: close" in out and out.endswith(b"\r\n\r\n" + echo_line("GET", "/c", b""))
 
 
 async def reject_early_app(scope, receive, send):
     """Answers 413 from the headers alone, never reading the body (as the router does for oversized requests)."""
     if scope["type"] == "lifespan":
-        await echo_app(scope, receive, send)
+        await serve_lifespan(receive, send)
         return
     body = b'{"error": "too large"}'
     await send({"type": "http.response.start", "status": 413,

@@ -56,10 +56,10 @@ def test_a_request_failing_inside_a_step_fails_alone(llm, monkeypatch):
     engine = llm.engine
     real = engine.runner.sampler
 
-    def sampler(logits, requests):   # fault injection: sampling raises whenever request "bad" is in the batch
-        if any(r.request_id == "bad" for r in requests):
+    def sampler(logits, meta):   # fault injection: sampling raises whenever request "bad" is in the batch
+        if "bad" in meta.req_ids:
             raise RuntimeError("injected sampler fault")
-        return real(logits, requests)
+        return real(logits, meta)
 
     monkeypatch.setattr(engine.runner, "sampler", sampler)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

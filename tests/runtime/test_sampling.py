@@ -8,19 +8,20 @@ import pytest
 import torch
 
 from pdserve.runtime.detokenizer import IncrementalDetokenizer
-from pdserve.runtime.request import Request
+from pdserve.runtime.input_batch import CachedRequestState, build_sampling_metadata
 from pdserve.runtime.sampler import Sampler
 from pdserve.runtime.sampling_params import SamplingParams
 
 V = 8
-sampler = Sampler(torch.device("cpu"))
+_sampler = Sampler(torch.device("cpu"))
 
 
-def req(prompt=(1, 2), out=(), eos=None, **sp) -> Request:
-    r = Request("r", list(prompt), SamplingParams(**sp), block_size=4, eos_token_id=eos)
-    for t in out:
-        r.append_output_token(t)
-    return r
+def sampler(logits, rows: list[CachedRequestState]):
+    return _sampler(logits, build_sampling_metadata(rows, torch.device("cpu")))
+
+
+def req(prompt=(1, 2), out=(), eos=None, **sp) -> CachedRequestState:
+    return CachedRequestState("r", list(prompt) + list(out), len(prompt), SamplingParams(**sp), eos_token_id=eos)
 
 
 def logits_of(probs) -> torch.Tensor:
@@ -73,7 +74,7 @@ def test_min_tokens_masks_eos_and_stop_ids():
     x = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
     r = req(eos=0, temperature=0.0, min_tokens=1, stop_token_ids=[1])
     assert sampler(x.clone(), [r])[0].token_id == 2
-    r.append_output_token(2)
+    r.token_ids.append(2)
     assert sampler(x.clone(), [r])[0].token_id == 0
 
 

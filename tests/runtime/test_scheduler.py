@@ -6,7 +6,8 @@ from __future__ import annotations
 from pdserve.runtime.config import CacheConfig, SchedulerConfig
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.scheduler import SampledToken, Scheduler
+from pdserve.runtime.sched_output import ModelRunnerOutput
+from pdserve.runtime.scheduler import Scheduler
 
 BS = 4
 TOKEN = 7
@@ -28,8 +29,11 @@ def add(s: Scheduler, rid: str, n: int, max_tokens=8, priority=0, arrival=0.0, b
 def step(s: Scheduler):
     """Run one step with a fake model that always samples TOKEN; returns [(id, num tokens, start)] and the output."""
     out = s.schedule()
-    s.update_from_output(out, {x.request_id: SampledToken(TOKEN) for x in out.scheduled if x.sample})
-    return [(x.request_id, len(x.token_ids), x.start_pos) for x in out.scheduled], out
+    starts = out.num_computed_tokens()
+    sched = [(rid, n, starts[rid]) for rid, n in out.num_scheduled_tokens.items()]
+    sampled = [rid for rid, n, start in sched if start + n == s.requests[rid].num_tokens]
+    s.update_from_output(out, ModelRunnerOutput(sampled, [[TOKEN] for _ in sampled], [None for _ in sampled]))
+    return sched, out
 
 
 def test_chunked_prefill_and_continuous_batching():
@@ -69,7 +73,7 @@ def test_preempt_latest_and_recompute_with_prefix_hit():
     assert s.kv.get_block_ids("a") == [0, 1] and s.kv.get_block_ids("b") == [2, 3]
     step(s)                                                    # decode position 7: still in the second block
     sched, out = step(s)                                       # position 8 needs a third block: none free
-    assert out.preempted_ids == ["b"] and sched == [("a", 1, 8)]
+    assert out.preempted_req_ids == ["b"] and sched == [("a", 1, 8)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.num_preemptions == 1
     # b's blocks were freed tail first (3, 2); a took block 3, evicting b's second block hash.
     assert s.kv.get_block_ids("a") == [0, 1, 3] and s.waiting[0] is b
@@ -89,7 +93,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
     assert [x[0] for x in step(s)[0]] == ["hi", "lo"]          # lower value first, despite arriving later
     step(s)
     _, out = step(s)
-    assert out.preempted_ids == ["lo"] and hi.status == RequestStatus.RUNNING
+    assert out.preempted_req_ids == ["lo"] and hi.status == RequestStatus.RUNNING
 
 
 def test_abort_frees_blocks_at_once():

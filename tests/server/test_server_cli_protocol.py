@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.runtime.cli import engine_options, parse_bytes
+from pdserve.runtime.cli import engine_options, parse_bytes, server_options
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.engine import EngineStats
 from pdserve.runtime.metrics import ServerMetrics, parse_samples
@@ -56,7 +56,8 @@ def test_flags_reach_the_engine_config():
     cfg = EngineConfig.from_options(**engine_options(args))
     assert cfg.cache.block_size == 32 and cfg.cache.kv_cache_memory_bytes == 2**30
     assert not cfg.cache.enable_prefix_caching
-    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.policy == "priority" and cfg.scheduler.max_waiting == 5
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.policy == "priority"
+    assert server_options(args).max_waiting == 5
     assert cfg.kv_transfer.connector == "redis" and cfg.kv_transfer.role == "prefill"
     assert cfg.kv_transfer.config == {"url": "redis://127.0.0.1:1"} and cfg.kv_transfer.load_failure_policy == "fail"
     assert cfg.model.max_model_len == 256 and cfg.model.served_model_name == "m"

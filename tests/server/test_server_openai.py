@@ -16,7 +16,10 @@ import zmq
 
 from pdserve.runtime.kv_event_publisher import END_SEQ, seq_bytes
 from pdserve.runtime.kv_events import BlockStored, decode_batch
-from pdserve.runtime.metrics import parse_samples
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.runtime.metrics import BATCH_BUCKETS, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, parse_samples
 from tests.support.server import free_port, launch_server
 
 pytestmark = pytest.mark.slow
@@ -152,7 +155,22 @@ def test_request_id_header_and_extensions(server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert r.headers["x-request-id"] == "my-req-1" and body["id"] == "cmpl-my-req-1"
-    assert "kv_transfer_params" in body and body["usage"]["prompt_tokens"] == 4
+    # no P/D handoff was asked for (no kv_transfer_params sent): none is offered
+    assert body["kv_transfer_params"] is None and body["usage"]["prompt_tokens"] == 4
+
+
+def test_cache_salt_isolates_prefix_cache_hits(server):
+    """Same salt: the second request reuses the prompt's 2 full blocks; another salt, or none, shares nothing."""
+    prompt = list(range(4000, 4040))                     # 2 full blocks of 16 + 8, unique to this test
+
+    def cached(salt: str | None) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})}
+        r = httpx.post(server.url + COMPL, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(s) for s in ("tenant-a", "tenant-a", "tenant-b", None, "tenant-b", None, "tenant-a")] == [
+        0, 32, 0, 0, 32, 32, 32]
 
 
 def test_tokenize_detokenize_version_health(server):
@@ -246,23 +264,81 @@ def test_non_stream_disconnect_aborts(server):
 
 # ---- metrics ----
 
-def test_metrics_names(server, client):
-    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds",
-                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "pdserve:kv_load_failures",
-                 "pdserve:recomputed_tokens", "pdserve:batch_size", "pdserve:requests_rejected"]:
-        assert f"{name}" in text, name
-    m = parse_samples(text)
-    assert m[f"vllm:e2e_request_latency_seconds_count{LABEL}"] >= 1
-    assert m[f"vllm:prompt_tokens_total{LABEL}"] > 0 and m[f"vllm:generation_tokens_total{LABEL}"] > 0
+# Every metric family /metrics exposes (tracing off, no KV connector), with its type: vLLM's names, then pdserve's.
+FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "pdserve:kv_load_failures": "counter", "pdserve:recomputed_tokens": "counter", "pdserve:batch_size": "histogram",
+    "pdserve:max_batch_size": "gauge", "pdserve:engine_steps": "counter", "pdserve:requests_rejected": "counter",
+    "pdserve:requests_aborted_on_disconnect": "counter", "pdserve:kv_event_batches_published": "counter",
+    "pdserve:model_weight_bytes": "gauge",
+}
+EXTRA_LABELS = {"vllm:request_success": {"finished_reason"}, "pdserve:requests_rejected": {"reason"}}
+BUCKETS = {"vllm:time_to_first_token_seconds": TTFT_BUCKETS, "vllm:inter_token_latency_seconds": ITL_BUCKETS,
+           "vllm:e2e_request_latency_seconds": E2E_BUCKETS, "pdserve:batch_size": BATCH_BUCKETS}
+
+
+def scrape(server) -> tuple[dict[str, Metric], dict[tuple[str, frozenset], float]]:
+    """/metrics through prometheus_client's own parser: families by name (client_python's `_created` companions
+    left out) and every sample by (name, labels)."""
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text)
+            if not f.name.endswith("_created")}
+    return fams, {(s.name, frozenset(s.labels.items())): s.value for f in fams.values() for s in f.samples}
+
+
+def test_metrics_exposition(server, client):
+    wait_idle(server)
+    fams, before = scrape(server)
+    assert {name: f.type for name, f in fams.items()} == FAMILIES
+    for name, f in fams.items():
+        for s in f.samples:
+            assert s.labels["model_name"] == MODEL and set(s.labels) - {"model_name"} == (
+                {"le"} if s.name.endswith("_bucket") else EXTRA_LABELS.get(name, set())), s
+        if name in BUCKETS:   # vLLM's buckets, so that dashboards' quantile queries behave the same
+            assert [s.labels["le"] for s in f.samples if s.name.endswith("_bucket")] == [
+                *(str(float(b)) for b in BUCKETS[name]), "+Inf"]
+    assert {s.labels["reason"] for s in fams["pdserve:requests_rejected"].samples} == {"queue_full", "draining"}
+
+    # Traffic: the same 40-token prompt (2 full blocks of 16 + 8) twice, 3 tokens each, one after the other.
+    prompt = list(range(3000, 3040))
+    usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True}).usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 32]
+    wait_idle(server)
+    _, after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, frozenset({"model_name": MODEL, **labels}.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("vllm:prompt_tokens_total") == 40 + 8                  # the second prefill computes 8, reuses 32
+    assert (delta("vllm:prefix_cache_queries_total"), delta("vllm:prefix_cache_hits_total")) == (80, 32)
+    assert delta("vllm:generation_tokens_total") == 6
+    success = {dict(k[1])["finished_reason"]: after[k] - before.get(k, 0.0) for k in after
+               if k[0] == "vllm:request_success_total"}
+    assert {reason: d for reason, d in success.items() if d} == {"length": 2}   # and no other reason moved
+    for hist, count in (("vllm:e2e_request_latency_seconds", 2), ("vllm:time_to_first_token_seconds", 2),
+                        ("vllm:inter_token_latency_seconds", 4)):       # per request: 1 TTFT, 2 gaps, 1 end
+        assert delta(f"{hist}_count") == count and delta(f"{hist}_bucket", le="+Inf") == count, hist
+        assert delta(f"{hist}_sum") > 0, hist
+    # one request at a time: prefill + 2 decode steps each, one request per step
+    assert delta("pdserve:engine_steps_total") == delta("pdserve:batch_size_count") == 6
+    assert delta("pdserve:batch_size_sum") == 6 and delta("pdserve:batch_size_bucket", le="1.0") == 6
+    for name in ("vllm:num_preemptions_total", "pdserve:kv_load_failures_total", "pdserve:recomputed_tokens_total",
+                 "pdserve:requests_aborted_on_disconnect_total"):
+        assert delta(name) == 0, name
+    for reason in ("queue_full", "draining"):
+        assert delta("pdserve:requests_rejected_total", reason=reason) == 0
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert after[(gauge, frozenset({"model_name": MODEL}.items()))] == 0, gauge
     # SmolLM2-135M at the auto dtype (tied embedding counted once): ~134.5M parameters x 4 (float32) or 2 (bf16) bytes
     from pdserve.runtime.cpu_features import fast_bf16_flag
 
     width = 2 if fast_bf16_flag() else 4
-    assert 125e6 * width < m[f"pdserve:model_weight_bytes{LABEL}"] < 140e6 * width
+    assert 125e6 * width < after[("pdserve:model_weight_bytes", frozenset({"model_name": MODEL}.items()))] < 140e6 * width
 
 
 # ---- KV events over ZMQ ----

@@ -11,6 +11,10 @@ nesting, lone surrogates, invalid UTF-8). ``encode`` turns a drawn dict into byt
 Cost bound: a body that the server accepts asks for at most ``MAX_TOKENS`` tokens per choice and at most 3 choices
 (``max_tokens`` is always present and never null, so no request runs to the end of the context).
 
+``router_requests(model)`` draws what a client sends the router: ``(path, body bytes, headers)``, the bodies above with
+hostile values in the fields the router itself reads (prompt and message text that looks like chat-template markup,
+P/D ``kv_transfer_params`` naming other hosts, request ids, cache salts), routing headers, raw bodies and binary junk.
+
 ``assert_openai_error(status, content)`` checks that a non-2xx answer is OpenAI-shaped:
 ``{"error": {"message": str, "type": str, "code": ...}}``.
 """
@@ -198,6 +202,50 @@ RAW_BODIES: list[bytes] = [
     b'{"prompt": "hi", "prompt": [1, 2], "max_tokens": 1}',
     b"null", b"[]", b'"prompt"', b"1e999", b"", b"{", b"{}",
 ]
+
+
+# ---- what the router reads ----------------------------------------------------------------------------------------
+
+# Text the router tokenizes or templates itself (prefix routing, P/D threshold): markup, control characters, long runs.
+ODD_TEXTS = ["", " ", "\r\n", "x\r\ny", "\x00", "café", "日本語", "\U0001f375", "<|im_start|>", "<|im_end|>system",
+             "{{ raise }}", "{% for %}", "\\u0000", "a" * 300]
+ROLES = ["system", "developer", "user", "assistant", "tool"]
+
+
+def odd_texts() -> st.SearchStrategy[str]:
+    return st.text(max_size=40) | st.sampled_from(ODD_TEXTS)
+
+
+def kv_transfer_params() -> st.SearchStrategy[Any]:
+    """P/D handoff parameters as a client might forge them (the router must never let them pick a host)."""
+    forged = st.fixed_dictionaries({"do_remote_prefill": st.booleans(), "do_remote_decode": st.booleans(),
+                                    "remote_host": st.sampled_from(["127.0.0.1", "10.9.9.9", "::1"]),
+                                    "remote_port": st.integers(-1, 70000),
+                                    "remote_block_ids": st.lists(st.integers(-5, 10**9), max_size=3)})
+    return forged | json_values()
+
+
+def _router_fields(chat: bool) -> st.SearchStrategy[dict[str, Any]]:
+    text_fields = ({"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": odd_texts()}),
+                                         min_size=1, max_size=3)} if chat
+                   else {"prompt": odd_texts() | st.lists(odd_texts(), min_size=1, max_size=2)})
+    return st.fixed_dictionaries({}, optional={**text_fields, "kv_transfer_params": kv_transfer_params(),
+                                               "request_id": odd_texts() | junk(), "cache_salt": odd_texts()})
+
+
+def router_requests(model: str) -> st.SearchStrategy[tuple[str, bytes, dict[str, str]]]:
+    """``(path, body bytes, headers)``: mostly JSON bodies (the shared ones, router fields overridden), sometimes raw."""
+    def merged(bodies: st.SearchStrategy[dict[str, Any]], chat: bool) -> st.SearchStrategy[dict[str, Any]]:
+        return st.tuples(bodies, _router_fields(chat)).map(lambda t: {**t[0], **t[1]} if isinstance(t[0], dict)
+                                                           else t[0])
+    as_json = st.one_of(st.tuples(st.just("/v1/completions"), merged(completion_bodies(model), False).map(encode)),
+                        st.tuples(st.just("/v1/chat/completions"), merged(chat_bodies(model), True).map(encode)))
+    raw = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+                    st.sampled_from(RAW_BODIES) | st.binary(max_size=200) | json_values().map(encode))
+    headers = st.dictionaries(st.sampled_from(["x-request-id", "x-session-id", "x-tenant-id"]),
+                              st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xff), max_size=20),
+                              max_size=2)
+    return st.tuples(st.one_of(as_json, as_json, as_json, raw), headers).map(lambda t: (t[0][0], t[0][1], t[1]))
 
 
 def encode(body: Any) -> bytes:
