@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.runtime import envs
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
@@ -93,7 +92,3 @@ def server_cmd(tree: Path, gguf: Path, port: int, threads: int, slots: int, ctx_
     return [str(tree / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb",
             "-b", "2048", "-ub", "512", "--no-webui"]
-
-
-def cache_dir() -> Path:
-    return envs.cache_dir()
