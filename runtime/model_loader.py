@@ -72,20 +72,39 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device,
-                  quantized: bool = False) -> torch.dtype:
-    """``auto``: bfloat16 on CPU for quantized weights (torch's int4 CPU kernel is vectorized for bfloat16 only), else
-    float32 on CPU (bf16/fp16 matmuls are slow on many CPUs and float32 is what HF matches exactly);
-    on CUDA the checkpoint's dtype when it is a 16-bit type, else bfloat16 (a float32 checkpoint, e.g. a dequantized
-    GGUF, would waste half the memory bandwidth)."""
+                  quantized: bool = False, cpu_bf16: str | None | bool = True) -> torch.dtype:
+    """``auto`` on CPU: bfloat16 when the CPU has native bf16 dot products (AVX512-BF16 or AMX, see
+    runtime/cpu_features.py; ``cpu_bf16`` is that flag, True = look it up) or the weights are quantized (torch's int4
+    CPU kernel is vectorized for bfloat16 only), else float32 (emulated bf16 matmuls are slower than float32).
+    On CUDA the checkpoint's dtype when it is a 16-bit type, else bfloat16 (a float32 checkpoint, e.g. a dequantized
+    GGUF, would waste half the memory bandwidth). Exact float32 parity with HF needs an explicit ``float32``."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.bfloat16 if quantized else torch.float32
+        if cpu_bf16 is True:
+            from pdserve.runtime.cpu_features import fast_bf16_flag
+
+            cpu_bf16 = fast_bf16_flag()
+        return torch.bfloat16 if quantized or cpu_bf16 else torch.float32
     if checkpoint_dtype in (torch.bfloat16, torch.float16):
         return checkpoint_dtype
     return torch.bfloat16
+
+
+def auto_dtype_reason(dtype: str, device: torch.device, quantized: bool) -> str:
+    """Why ``--dtype auto`` chose what it did, for the start-up log."""
+    if dtype != "auto":
+        return "--dtype"
+    if device.type != "cpu":
+        return "auto: GPU"
+    from pdserve.runtime.cpu_features import fast_bf16_flag
+
+    flag = fast_bf16_flag()
+    if quantized:
+        return "auto: quantized weights on CPU"
+    return f"auto: CPU has {flag}" if flag else "auto: CPU has no avx512_bf16/amx_bf16, bf16 would be emulated"
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -125,8 +144,9 @@ def load_model(model_config: ModelConfig, device: torch.device, attention_backen
     from pdserve.runtime.quantization import weight_bytes
 
     nbytes = weight_bytes(model)
-    logger.info("model weights: %.1f MiB on %s (%s, quantization: %s)", nbytes / 2**20, device,
-                str(dtype).removeprefix("torch."), qplan.description)
+    logger.info("model weights: %.1f MiB on %s (%s [%s], quantization: %s)", nbytes / 2**20, device,
+                str(dtype).removeprefix("torch."), auto_dtype_reason(model_config.dtype, device, qplan.quantized),
+                qplan.description)
     return LoadedModel(
         model=model, hf_config=hf_config, tokenizer=tokenizer, model_path=path, dtype=dtype,
         served_model_name=model_config.served_model_name or path.name, max_model_len=max_model_len,

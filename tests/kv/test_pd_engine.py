@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 5
 BLOCKS = 96
+# Exact token equality across differently batched runs: float32 (bf16, what --dtype auto picks on AVX512-BF16 CPUs,
+# is not batch-invariant, so the monolithic reference batch and the P/D runs may flip a near-tie).
+DTYPE = "float32"
 TEXTS = {
     "tiny": "Hello there, how are you?",
     "story": "Once upon a time in a small village by the sea, there lived an old fisherman who told stories "
@@ -67,7 +70,7 @@ def _pump(engine, seconds=0.2):
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(num_gpu_blocks=BLOCKS)
+    llm = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE)
     tok = llm.tokenizer
     prompts = {k: tok.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
     outs = _run(llm.engine, [(k, p, MAX_TOKENS, None) for k, p in prompts.items()])
@@ -79,9 +82,9 @@ def reference():
 class Pair:
     def __init__(self, name, cfg, prefill_extra=None, server=None):
         self.name, self.server = name, server
-        self.prefill = LLM(num_gpu_blocks=BLOCKS, kv_connector=name, kv_role="prefill",
+        self.prefill = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE, kv_connector=name, kv_role="prefill",
                            kv_connector_config={**cfg, **(prefill_extra or {})})
-        self.decode = LLM(num_gpu_blocks=BLOCKS, kv_connector=name, kv_role="decode", kv_connector_config=cfg)
+        self.decode = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE, kv_connector=name, kv_role="decode", kv_connector_config=cfg)
         self.n = 0
 
     def handoff(self, prompts: dict[str, list[int]]) -> dict[str, dict]:
@@ -271,7 +274,7 @@ def test_prefill_server_killed_after_answering(pair, reference):
     pair.decode.engine.reset_prefix_cache()
     cfg = json.dumps({"token": "pd-secret", "port": free_port()})
     with launch_server("--role", "prefill", "--kv-connector", "nixl", "--kv-connector-config", cfg,
-                       "--num-gpu-blocks", str(BLOCKS)) as server:
+                       "--num-gpu-blocks", str(BLOCKS), "--dtype", DTYPE) as server:
         from pdserve.kv_connectors import kv_auth
 
         body = json.dumps({"model": _model_name(server), "prompt": toks, "max_tokens": 1, "temperature": 0,
