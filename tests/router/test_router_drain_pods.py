@@ -60,7 +60,9 @@ class Pods(dict):
 @pytest.fixture(scope="module")
 def pods():
     token = secrets.token_hex(16)
-    common = ["--num-gpu-blocks", "300", "--max-model-len", "1024", "--max-num-seqs", "8",
+    # float32: answers under load (batched) must equal the unbatched reference; bf16 (the CPU default where the CPU
+    # has AVX512-BF16/AMX) is not batch-invariant
+    common = ["--num-gpu-blocks", "300", "--max-model-len", "1024", "--max-num-seqs", "8", "--dtype", "float32",
               "--shutdown-grace-period", str(GRACE)]
 
     def nixl(block: int, role: str) -> list[str]:

@@ -97,7 +97,9 @@ def test_hub_failure_is_explained(monkeypatch):
 
 def test_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    # CPU: float32 without native bf16 dot products, bfloat16 with them (issue 10; runtime/cpu_features.py)
+    assert resolve_dtype("auto", torch.bfloat16, cpu, cpu_bf16=None) == torch.float32
+    assert resolve_dtype("auto", torch.float32, cpu, cpu_bf16="avx512_bf16") == torch.bfloat16
     assert resolve_dtype("auto", torch.float16, cuda) == torch.float16
     assert resolve_dtype("auto", torch.float32, cuda) == torch.bfloat16
     assert resolve_dtype("auto", None, cuda) == torch.bfloat16

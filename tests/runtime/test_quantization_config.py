@@ -45,7 +45,8 @@ def test_plans():
 def test_quantized_weights_compute_in_bf16_on_cpu_unless_asked():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", None, cpu, quantized=True) == torch.bfloat16
-    assert resolve_dtype("auto", None, cpu, quantized=False) == torch.float32
+    assert resolve_dtype("auto", None, cpu, quantized=True, cpu_bf16=None) == torch.bfloat16
+    assert resolve_dtype("auto", None, cpu, quantized=False, cpu_bf16=None) == torch.float32  # no AVX512-BF16/AMX
     assert resolve_dtype("float32", None, cpu, quantized=True) == torch.float32
 
 
