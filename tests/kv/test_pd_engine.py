@@ -14,6 +14,7 @@ from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
 from tests.kv.conftest import resign
 from tests.support.redis import redis_server
+from tests.support.stepping import step_until_finished
 from tests.support.server import free_port
 
 pytestmark = pytest.mark.slow
@@ -51,13 +52,7 @@ def _run(engine, reqs, timeout=300.0):
     finished (not until held blocks are released: a prefill keeps leases for its decode peer)."""
     for rid, toks, n, params in reqs:
         engine.add_request(rid, toks, _greedy(n), kv_transfer_params=params)
-    done, deadline = {}, time.monotonic() + timeout
-    while len(done) < len(reqs):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        assert time.monotonic() < deadline, f"requests not finished after {timeout}s"
-    return done
+    return step_until_finished(engine, len(reqs), timeout)
 
 
 def _pump(engine, seconds=0.2):

@@ -14,6 +14,7 @@ from pdserve.runtime.llm import LLM
 from pdserve.runtime.lora_manager import LoRANotFound
 from pdserve.runtime.sampling_params import SamplingParams
 from tests.support.redis import redis_server
+from tests.support.stepping import step_until_finished
 
 MAX_TOKENS = 8
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -26,13 +27,7 @@ def _run(engine, reqs, timeout=300.0):
     for rid, toks, n, params, lora in reqs:
         engine.add_request(rid, toks, SamplingParams(max_tokens=n, temperature=0.0), kv_transfer_params=params,
                            lora_name=lora)
-    done, deadline = {}, time.monotonic() + timeout
-    while len(done) < len(reqs):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        assert time.monotonic() < deadline, f"requests not finished after {timeout}s"
-    return done
+    return step_until_finished(engine, len(reqs), timeout)
 
 
 def _engine(adapter_dirs, name, cfg, role, extra=()):
