@@ -183,3 +183,33 @@ def test_corrupt_adapter_is_reported_and_the_pod_keeps_serving(cluster, live):
     for u in urls.values():
         assert set(_models(u)) == {"mlp"}
     assert _complete(urls["decode"], "mlp")
+
+
+def test_pd_handoff_with_an_operator_loaded_adapter(cluster, live):
+    """Prefill pod -> decode pod over HTTP (as the router does, router/pd.py) with an adapter the operator loaded:
+    equals the monolithic answer; a decode pod without the adapter answers 404, not a wrong answer."""
+    from pdserve.router.pd import REMOTE_DECODE_PARAMS, decode_body, prefill_body
+
+    urls, auth = live["urls"], {"Authorization": f"Bearer {API_KEY}"}
+    cluster.wait_for(lambda: all("mlp" in _models(u) for u in urls.values()), 120, "mlp loaded")
+    body = {"model": "mlp", "max_tokens": 8, "temperature": 0,
+            "prompt": "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+                      "combined movable metal type, oil-based ink and a screw press.\nQ: Who was Gutenberg?\nA:"}
+    mono = httpx.post(f"{urls['prefill']}/v1/completions", headers=auth, json=body, timeout=120)
+    assert mono.status_code == 200, mono.text
+
+    def prefill() -> dict:
+        r = httpx.post(f"{urls['prefill']}/v1/completions", headers=auth, timeout=120,
+                       json={**prefill_body(body), "kv_transfer_params": dict(REMOTE_DECODE_PARAMS)})
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        assert params["lora_name"] == "mlp"
+        return params
+
+    r = httpx.post(f"{urls['decode']}/v1/completions", headers=auth, json=decode_body(body, prefill()), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"]
+    assert "attn" not in _models(urls["decode"])
+    r = httpx.post(f"{urls['decode']}/v1/completions", headers=auth, timeout=120,
+                   json=decode_body({**body, "model": "attn"}, prefill()))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
