@@ -185,6 +185,14 @@ def test_corrupt_adapter_is_reported_and_the_pod_keeps_serving(cluster, live):
     assert _complete(urls["decode"], "mlp")
 
 
+def _blocks_loaded(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdserve:kv_connector_blocks_loaded_total")
+
+
 def test_pd_handoff_with_an_operator_loaded_adapter(cluster, live):
     """Prefill pod -> decode pod over HTTP (as the router does, router/pd.py) with an adapter the operator loaded:
     equals the monolithic answer; a decode pod without the adapter answers 404, not a wrong answer."""
@@ -206,9 +214,11 @@ def test_pd_handoff_with_an_operator_loaded_adapter(cluster, live):
         assert params["lora_name"] == "mlp"
         return params
 
-    r = httpx.post(f"{urls['decode']}/v1/completions", headers=auth, json=decode_body(body, prefill()), timeout=120)
+    params, loaded = prefill(), _blocks_loaded(urls["decode"])
+    r = httpx.post(f"{urls['decode']}/v1/completions", headers=auth, json=decode_body(body, params), timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"]
+    assert _blocks_loaded(urls["decode"]) - loaded >= 2  # the adapter's KV really came over from the prefill pod
     assert "attn" not in _models(urls["decode"])
     r = httpx.post(f"{urls['decode']}/v1/completions", headers=auth, timeout=120,
                    json=decode_body({**body, "model": "attn"}, prefill()))
