@@ -16,8 +16,8 @@ Requests go to ``status.podIP`` of the API server's Pod object (pod.runtime_url)
 ReplicaSets control, carry the runtime API key (spec.runtime.apiKeySecretRef, read from its Secret each round) and
 have short timeouts; a pod that does not answer just counts as not having the adapters yet.
 
-Until the operator's first round after a pod turned Ready, that pod answers 404 for adapters (the router's lora-affinity
-scorer prefers pods that run the adapter).
+Until the operator's first round after a pod turned Ready, that pod answers 404 for adapters; the router's
+``lora-registered`` filter keeps an adapter's requests on pods that have it meanwhile (router/plugins/lora_filter.py).
 """
 
 from __future__ import annotations

@@ -117,3 +117,19 @@ def test_prefix_scores_key_adapter_blocks_with_the_adapter_digest(tokenizer):
     fresh.add_speculative("http://lora", adapter.hashes_for(pods["lora"]))
     assert create("precise-prefix", index=fresh).score(base, [pods["lora"]]) == [0.0]
     assert create("precise-prefix", index=fresh).score(adapter, [pods["lora"]]) == [1.0]
+
+
+def test_adapter_requests_only_go_to_pods_that_have_the_adapter():
+    """A pod that serves LoRA but has not got the adapter (just started, the operator has not loaded it yet) would
+    answer 404: every policy leaves it out while another pod has the adapter; with none, the pods decide (404)."""
+    for policy in ("precise-prefix", "round-robin", "least-loaded", "session-affinity"):
+        profile = build_profile(RouterConfig(policy=policy), PrefixIndex())
+        fresh, ready = _pod("http://fresh"), _pod("http://ready")
+        ready.lora_digests = {"x": "d-x"}
+        fresh.in_flight = 0
+        ready.in_flight = 50                       # busier: load alone would pick the fresh pod
+        picks = {profile.schedule(_ctx("x"), [fresh, ready]).endpoint.url for _ in range(4)}
+        assert picks == {"http://ready"}, policy
+        assert {profile.schedule(_ctx("smol"), [fresh, ready]).endpoint.url for _ in range(4)} >= {"http://fresh"}
+        ready.lora_digests = {}
+        assert profile.schedule(_ctx("x"), [fresh, ready]) is not None   # nobody has it: not filtered to nothing
