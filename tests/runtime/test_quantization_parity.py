@@ -17,17 +17,15 @@ Which is exact and which is not (why the agreement bar differs):
   dequantized weights: the issue's "same dequantized weights".
 
 Why free-running >= 95% is out of reach for torch's CPU kernels (measured 2026-11-23, these 8 prompts, 32 tokens;
-details in runtime/quantization.py): both kernels RETURN bfloat16 (and the int4 one is vectorized only for bfloat16
-input), so every linear's output is rounded to 8 mantissa bits however precise its inputs are. Feeding them split
-activations (x = hi + lo, both bf16) and float32-exact scales (a second call on the bf16 remainder of the scales)
-leaves the per-layer error at that floor (~2e-3 of the output's max on every Q4_1 layer, vs ~3e-3 unsplit), and
-free-running agreement then swings with which near-tie flips first: 67% to 91% for variants of equal per-layer error
-in a float32 model, 73% for the shipped bf16 engine. A fairer reference does not help either: transformers in
-bfloat16 on exactly the weights the kernel computes with (its bf16-rounded scales and zeros, linears emulating the
-kernel's float32 accumulation) agrees 77% with the engine, and transformers bfloat16 itself agrees only 78% with
-transformers float32; the dense bf16 engine agrees 79% (92.5% with transformers bf16). Any bf16-rounded computation
-of this model lands at 67-92% free-running here; the criterion needs a kernel with float32 output (torch's
-float32/float16-activation variants are scalar loops, 20-45x slower than a dense float32 GEMM).
+details in runtime/quantization.py): they are vectorized for bfloat16 only and return bfloat16, rounding activations,
+scales/zeros and every linear's output to 8 mantissa bits (emulated one at a time in a float32 model with float32
+GEMMs: bf16 scales alone 87%, bf16 outputs alone 97%, bf16 activations alone 100%, scales and activations 94%). Feeding the kernel split activations (x = hi + lo) and
+float32-exact scales (a second call) leaves each layer at the bf16 output floor (~2e-3 of its max), and free-running
+agreement is then a lottery over which near-tie flips first: 67-91% for variants of equal per-layer error, 73% for the
+shipped bf16 engine. A fairer reference does not reach it either: transformers in bfloat16 on exactly the weights the
+kernel computes with (bf16 scales and zeros, float32 accumulation emulated) agrees 77%; transformers bfloat16 vs
+transformers float32 78%; the dense bf16 engine 79% (92.5% vs transformers bf16). Closing it needs a kernel with
+float32 scales and float32 output.
 
 Prompts: the short prompts of the engine parity set (tests/support/hf_reference.py), 32 new tokens, to keep it fast
 on two shared cores.
