@@ -12,7 +12,8 @@ dequantized in registers, ``sum_g s * (x_g . q_g) + z * sum(x_g)``; one thread),
   parity prompts, and decode tok/s at batch 1 and 32 next to the bf16 int4 engine and the dense float32 engine.
 
 It needs gcc and an AVX-512 CPU, and patches the model loader's linear factory: a measurement, not a serving path
-(shipping it needs a build step, threads and a way to pick it: see the issue 14 notes in the README).
+(serving it would need a build step instead of gcc at run time, threads, a non-AVX-512 fallback, and a way to pick it
+next to the exact ``dequant`` method).
 
     OMP_NUM_THREADS=1 python benchmarks/quantization_f32_probe.py --e2e
 """
