@@ -1,8 +1,8 @@
 """Transformers greedy references for the engine parity tests: the parity prompt set, one ``generate`` helper, and
 the two agreement measures (free-running and teacher-forced) the non-exact paths are held to.
 
-Every parity test (float32 exact, bf16, quantized, speculative) reads its prompts and its transformers reference
-from here, so that "the engine parity prompts" and "transformers greedy" mean the same thing everywhere.
+The float32, bf16 and quantized parity tests take their prompts and transformers reference from here, the speculative
+decoding tests their prompts, so that "the engine parity prompts" and "transformers greedy" mean one thing.
 """
 
 from __future__ import annotations
