@@ -56,3 +56,9 @@ def allow_runtime_lora_updating() -> bool:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as in vLLM."""
     value = os.environ.get("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def linear_method() -> str | None:
+    """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
+    ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""
+    return os.environ.get("PDSERVE_LINEAR_METHOD") or None
