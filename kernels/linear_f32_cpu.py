@@ -171,20 +171,24 @@ def _cflags() -> list[str]:
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the extension; None when it works, else why it cannot be used."""
+    return build(SOURCE, _cflags())
+
+
+def build(source: str, cflags: list[str]) -> str | None:
+    """Compiles ``source`` into the cache dir (unless already built) and loads it; None, or the reason it failed."""
     from torch.utils import cpp_extension
 
     from pdserve.runtime import envs
     from pdserve.runtime.cpu_features import cpu_flags
 
-    cflags = _cflags()
-    key = "\0".join([SOURCE, torch.__version__, " ".join(cflags), " ".join(sorted(cpu_flags()))])
+    key = "\0".join([source, torch.__version__, " ".join(cflags), " ".join(sorted(cpu_flags()))])
     name = f"pdserve_qf32_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     build_dir = envs.cache_dir() / "torch_extensions" / name
     fresh = not any(build_dir.glob(f"{name}*.so"))
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load_inline(name, cpp_sources=[SOURCE], extra_cflags=cflags, build_directory=str(build_dir),
+        cpp_extension.load_inline(name, cpp_sources=[source], extra_cflags=cflags, build_directory=str(build_dir),
                                   is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler / headers / ninja: fall back to dequant, never fail start-up
         reason = f"the f32_cpu kernel could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
@@ -192,7 +196,7 @@ def load_extension() -> str | None:
         return reason
     if fresh:
         log.info("built the f32_cpu quantized linear kernel (%s) in %.1f s into %s",
-                 "AVX-512" if len(cflags) > 1 else "portable C++", time.perf_counter() - t0, build_dir)
+                 "AVX-512" if "-mavx512f" in cflags else "portable C++", time.perf_counter() - t0, build_dir)
     return None
 
 
