@@ -17,7 +17,7 @@ compressed-tensors INT8, GGUF Q8_0), kept as the loader's own (N, K) tensor so t
 embedding's codes and scales. ``in_features`` must be a multiple of 32 (4-bit) or 16 (8-bit); anything else falls to
 ``dequant``.
 
-Build: compiled on first use with ``torch.utils.cpp_extension.load_inline`` (gcc + ninja) into
+Build: compiled on first use with ``torch.utils.cpp_extension.load`` (gcc + ninja) into
 ``$PDSERVE_CACHE_DIR/torch_extensions/<name>``, the name keyed by a hash of the source, the torch version, the compiler
 flags and the CPU's flags, so a stale or foreign build is never loaded; later processes only load it. Work is split
 over output rows with ``at::parallel_for`` (torch's own thread pool). AVX-512 (F + BW) intrinsics where the CPU has
@@ -184,17 +184,20 @@ def build(source: str, cflags: list[str]) -> str | None:
     key = "\0".join([source, torch.__version__, " ".join(cflags), " ".join(sorted(cpu_flags()))])
     name = f"pdserve_qf32_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     build_dir = envs.cache_dir() / "torch_extensions" / name
-    fresh = not any(build_dir.glob(f"{name}*.so"))
+    built = {p: p.stat().st_mtime for p in build_dir.glob("*.so")}
     t0 = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load_inline(name, cpp_sources=[source], extra_cflags=cflags, build_directory=str(build_dir),
-                                  is_python_module=False, verbose=False)
+        src = build_dir / f"{name}.cpp"  # load(), not load_inline(): that prepends torch/extension.h (pybind: 2x slower)
+        if not src.is_file() or src.read_text() != source:
+            src.write_text(source)
+        cpp_extension.load(name, [str(src)], extra_cflags=cflags, build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler / headers / ninja: fall back to dequant, never fail start-up
         reason = f"the f32_cpu kernel could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
         log.warning("%s; float32 quantized linears fall back to dequant", reason)
         return reason
-    if fresh:
+    if {p: p.stat().st_mtime for p in build_dir.glob("*.so")} != built:  # compiled now, not just loaded
         log.info("built the f32_cpu quantized linear kernel (%s) in %.1f s into %s",
                  "AVX-512" if "-mavx512f" in cflags else "portable C++", time.perf_counter() - t0, build_dir)
     return None
