@@ -57,51 +57,51 @@ struct Args {
   int64_t M, N, K, G; bool is_signed;
 };
 
-// y[m0:m0+mb, n] for one weight row n. 4-bit: codes (N, K/2), byte j of a 32-block = code j | code j+16 << 4.
+// y[m0:m0+NM, n] for one weight row n. 4-bit: codes (N, K/2), byte j of a 32-block = code j | code j+16 << 4.
 // 8-bit: codes (N, K) int8 or uint8. Group sums are formed in float32 then scaled (see the Python docstring).
-template <int BITS>
-void row(const Args& a, int64_t n, int64_t m0, int64_t mb) {
-  const int64_t ng = a.K / a.G;
+// NM (rows of x) is a template argument so that the accumulators stay in registers (a runtime count spills them).
+template <int BITS, int NM>
+void row(const Args& a, int64_t n, int64_t m0) {
+  const int64_t ng = a.K / a.G, K = a.K, G = a.G;
   const float* s = a.scale + n * ng;
   const float* z = a.zero ? a.zero + n * ng : nullptr;
-  const uint8_t* c = a.codes + n * (BITS == 4 ? a.K / 2 : a.K);
+  const uint8_t* c = a.codes + n * (BITS == 4 ? K / 2 : K);
+  const float* x = a.x + m0 * K;
 #ifdef PD_AVX512
-  __m512 acc[MB], t[MB];
-  for (int64_t m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+  __m512 acc[NM], t[NM];
+  for (int m = 0; m < NM; m++) acc[m] = _mm512_setzero_ps();
   const __m128i mask = _mm_set1_epi8(15);
   const __m512i off = _mm512_set1_epi32(a.is_signed ? 8 : 0);
   for (int64_t g = 0; g < ng; g++) {
-    for (int64_t m = 0; m < mb; m++) t[m] = _mm512_setzero_ps();
+    for (int m = 0; m < NM; m++) t[m] = _mm512_setzero_ps();
     if (BITS == 4) {
-      for (int64_t k = g * a.G; k < (g + 1) * a.G; k += 32) {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
         __m128i b = _mm_loadu_si128((const __m128i*)(c + k / 2));
         __m512 qlo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)), off));
         __m512 qhi = _mm512_cvtepi32_ps(_mm512_sub_epi32(
             _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), off));
-        for (int64_t m = 0; m < mb; m++) {
-          const float* xm = a.x + (m0 + m) * a.K + k;
-          t[m] = _mm512_fmadd_ps(qhi, _mm512_loadu_ps(xm + 16), _mm512_fmadd_ps(qlo, _mm512_loadu_ps(xm), t[m]));
-        }
+        for (int m = 0; m < NM; m++)
+          t[m] = _mm512_fmadd_ps(qhi, _mm512_loadu_ps(x + m * K + k + 16),
+                                 _mm512_fmadd_ps(qlo, _mm512_loadu_ps(x + m * K + k), t[m]));
       }
     } else {
-      for (int64_t k = g * a.G; k < (g + 1) * a.G; k += 16) {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
         __m128i b = _mm_loadu_si128((const __m128i*)(c + k));
         __m512 q = _mm512_cvtepi32_ps(a.is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-        for (int64_t m = 0; m < mb; m++)
-          t[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(a.x + (m0 + m) * a.K + k), t[m]);
+        for (int m = 0; m < NM; m++) t[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + m * K + k), t[m]);
       }
     }
     const __m512 sv = _mm512_set1_ps(s[g]);
-    for (int64_t m = 0; m < mb; m++) acc[m] = _mm512_fmadd_ps(t[m], sv, acc[m]);
+    for (int m = 0; m < NM; m++) acc[m] = _mm512_fmadd_ps(t[m], sv, acc[m]);
   }
-  for (int64_t m = 0; m < mb; m++) {
+  for (int m = 0; m < NM; m++) {
     float zacc = 0.f;
     if (z) for (int64_t g = 0; g < ng; g++) zacc += z[g] * a.xsum[(m0 + m) * ng + g];
     a.y[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(acc[m]) + zacc;
   }
 #else
-  for (int64_t m = 0; m < mb; m++) {
-    const float* xm = a.x + (m0 + m) * a.K;
+  for (int64_t m = 0; m < NM; m++) {
+    const float* xm = x + m * K;
     float acc = 0.f, zacc = 0.f;
     for (int64_t g = 0; g < ng; g++) {
       float t = 0.f;
@@ -121,6 +121,15 @@ void row(const Args& a, int64_t n, int64_t m0, int64_t mb) {
     a.y[(m0 + m) * a.N + n] = acc + zacc;
   }
 #endif
+}
+
+template <int BITS>
+void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, int64_t mb) {
+  switch (mb) {
+#define PD_ROWS(NM) case NM: for (int64_t n = n0; n < n1; n++) row<BITS, NM>(a, n, m0); break;
+    PD_ROWS(1) PD_ROWS(2) PD_ROWS(3) PD_ROWS(4) PD_ROWS(5) PD_ROWS(6) PD_ROWS(7) PD_ROWS(8)
+#undef PD_ROWS
+  }
 }
 
 at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -146,7 +155,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);
-      for (int64_t n = n0; n < n1; n++) bits == 4 ? row<4>(a, n, m0, mb) : row<8>(a, n, m0, mb);
+      if (bits == 4) rows<4>(a, n0, n1, m0, mb); else rows<8>(a, n0, n1, m0, mb);
     }
   });
   return y;
@@ -231,6 +240,14 @@ class F32Linear(KernelLinear):
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (T, K) float32 -> (T, N) float32
         return torch.ops.pdserve_qf32.mm(x2, self.codes, self.scale, self.zero, self.bits, self.group_size,
                                          self.is_signed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # KernelLinear's, minus no-op casts: ~121 calls a token
+        if x.dtype != torch.float32:
+            return super().forward(x)
+        y = self.matmul(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 @register_linear_method("f32_cpu")
