@@ -14,9 +14,10 @@ import os
 import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tests.support.openai_strategies import (RAW_BODIES, assert_openai_error, chat_bodies, completion_bodies, encode,
-                                            numeric_edges)
+                                            numeric_edges, structured_bodies)
 from tests.support.server import launch_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -70,6 +71,16 @@ def test_fuzz_completions(server, http, body):
 @given(body=chat_bodies(MODEL))
 def test_fuzz_chat_completions(server, http, body):
     event(f"HTTP {check(server, http, '/v1/chat/completions', encode(body))}")
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_structured_outputs_and_tools(server, http, chat, data):
+    """response_format / structured_outputs / tools + tool_choice shapes on otherwise well-formed bodies: they reach
+    the grammar compiler (schemas, regexes and grammars that compile or not) and are served or refused, never a 5xx."""
+    body = data.draw(structured_bodies(MODEL, chat), label="body")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    event(f"{'chat' if chat else 'completions'} HTTP {check(server, http, path, encode(body))}")
 
 
 @pytest.mark.parametrize("content", RAW_BODIES, ids=range(len(RAW_BODIES)))
