@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from pdserve.runtime.metrics import parse_samples
 from tests.support.server import free_port, launch_process
+from tests.support.structured import TIME, TOOL_SCHEMAS, WEATHER, schema_format, stream_chat
 
 pytestmark = pytest.mark.slow
 
@@ -95,16 +96,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                    "required": ["code", "flag"], "additionalProperties": False},
 }
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}},
-                                       "required": ["tz"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
-TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 def ask_weather(k: int) -> list[dict[str, str]]:
@@ -120,12 +112,8 @@ def messages(name: str, k: int) -> list[dict[str, str]]:
 
 # (schema, streamed, temperature, seed): each greedy and at 0.7, streamed and not
 CASES = [(name, stream, temp, None if temp == 0 else 100 + i)
-         for i, (name, stream, temp) in enumerate((n, s, t) for n in SCHEMAS for s in (False, True) for t in (0.0, 0.7))]
-
-
-def schema_format(name: str) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "schema": SCHEMAS[name],
-                                                   "strict": True}}
+         for i, (name, stream, temp) in enumerate((n, s, t) for n in SCHEMAS for s in (False, True)
+                                                  for t in (0.0, 0.7))]
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------------------
@@ -222,17 +210,6 @@ def run_all(jobs: list) -> list:
         return list(pool.map(lambda job: job(), jobs))
 
 
-def stream_chat(client: OpenAI, **kwargs: Any) -> tuple[str, str | None, list]:
-    """(content, finish_reason, tool-call deltas) reassembled from a chat stream of one choice."""
-    text, finish, calls = "", None, []
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
-    return text, finish, calls
-
-
 # ---- JSON schemas ----------------------------------------------------------------------------------------------------
 
 def test_json_schemas_greedy_and_sampled_streamed_and_not(up, monolithic_json):
@@ -240,8 +217,8 @@ def test_json_schemas_greedy_and_sampled_streamed_and_not(up, monolithic_json):
 
     def ask(k: int):
         name, stream, temp, seed = CASES[k]
-        kwargs = dict(model=MODEL, messages=messages(name, k), response_format=schema_format(name),
-                      max_tokens=MAX_TOKENS, temperature=temp, seed=seed)
+        kwargs = dict(model=MODEL, messages=messages(name, k), max_tokens=MAX_TOKENS, temperature=temp, seed=seed,
+                      response_format=schema_format(SCHEMAS[name], name.replace(" ", "_")))
         if stream:
             return lambda: stream_chat(client, **kwargs)[:2]
 
@@ -306,7 +283,7 @@ def test_regex_and_choice_hold_on_20_samples_each(up):
 
     def choice(seed: int):
         return lambda: client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Question {seed}: is fire cold? Say yes, no or maybe so."}],
+            model=MODEL, messages=[{"role": "user", "content": f"Question {seed}: is fire cold? yes, no or maybe so?"}],
             max_tokens=5, temperature=0.9, seed=seed,
             extra_body={"structured_outputs": {"choice": choices}}).choices[0]
 
