@@ -244,9 +244,19 @@ def test_tool_round_trip(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_input_is_400(server, body, param):
+    """An OpenAI-shaped 400 naming the field, before the engine queues anything (the engine counts every queued
+    structured-output request by kind; a grammar that failed there would be a 503)."""
+    def queued() -> float:
+        from pdserve.runtime.metrics import parse_samples
+
+        s = parse_samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        return sum(v for k, v in s.items() if k.startswith("pdserve:structured_output_requests_total{"))
+
+    before = queued()
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
+    assert queued() == before
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:
