@@ -5,7 +5,8 @@ Twelve JSON schemas (nested objects, arrays with bounds, enums, patterns, bounde
 const and $ref, additionalProperties: false), greedy and at temperature 0.7, streamed and not: every output parses and
 validates with jsonschema, and greedy P/D output equals a monolithic engine's token for token. Also
 ``beta.chat.completions.parse`` with a pydantic model, regex and choice on 20 sampled outputs each, tools (required and
-a named function, streamed and not) and a tool round trip.
+a named function, streamed and not) and a tool round trip; a constraint that cannot compile is the prefill pod's 400,
+relayed by the router, and never reaches the decode pod.
 
 Each test proves its requests went the disaggregated way, not a monolithic one: the router counted every one as
 disaggregated with no fallback, both pods compiled each request's grammar (the decode pod, which samples every output
@@ -29,7 +30,7 @@ import httpx
 import jsonschema
 import psutil
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from pydantic import BaseModel, Field
 
 from pdserve.runtime.metrics import parse_samples
@@ -351,3 +352,28 @@ def test_tools_required_and_named_streamed_and_not_then_round_trip(up, llm):
     reference = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
     assert r.usage.prompt_tokens == len(ids) and loaded_prompt(r.usage)
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (reference.text, reference.finish_reason)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "(("}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= nowhere"}}}, "structured_outputs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
+])
+def test_bad_constraints_are_400_from_the_prefill_pod(up, extra, param):
+    """The prefill pod refuses a constraint that cannot compile before queueing it; the router relays its 400 and never
+    asks the decode pod."""
+    before = up.metrics()
+    with pytest.raises(BadRequestError) as e:
+        up.client.chat.completions.create(model=MODEL, messages=ask_weather(0), max_tokens=5, **extra)
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["message"] and (param is None or err["param"] == param)
+    after = up.metrics()
+    assert family(after["router"], "pdserve_router_requests_total", outcome="bad_request") == 1 + family(
+        before["router"], "pdserve_router_requests_total", outcome="bad_request")
+    for pod in ("prefill", "decode"):
+        assert family(after[pod], "pdserve:structured_output_requests_total") == family(
+            before[pod], "pdserve:structured_output_requests_total"), pod
+    success = "vllm:request_success_total"
+    assert family(after["decode"], success) == family(before["decode"], success)   # decode never saw it
