@@ -356,6 +356,8 @@ class LLMEngine:
 
     def _postprocess(self, req: Request) -> RequestOutput | None:
         """The request's cumulative output (its stops were decided by the scheduler's stop checker)."""
+        if req.handoff_pending:   # finished, but its kv_transfer_params are not valid yet: reported again once they are
+            return None
         detok = self._detok[req.request_id]
         completion = CompletionOutput(
             index=0, text=detok.output_text(req.is_finished), token_ids=list(req.output_token_ids),

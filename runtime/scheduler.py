@@ -43,8 +43,8 @@ class Scheduler:
         self.max_len = min(max_model_len, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
-        self.kv_transfers = None if connector is None else KVTransferTracker(connector, self.kv, load_failure_policy,
-                                                                              self.fail_request)
+        self.kv_transfers = None if connector is None else KVTransferTracker(
+            connector, self.kv, load_failure_policy, self.fail_request, lambda req: self.finished_out.append(req))
         self.stop_checker = StopChecker(self.max_len, detokenizers)
         self.max_loras = max_loras                    # distinct LoRA adapters among running requests (device slots)
         self.requests: dict[str, Request] = {}        # every unfinished request
