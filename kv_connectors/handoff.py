@@ -44,7 +44,8 @@ class HandoffJobs:
     def start(self, request_id: str, timeout_s: float, work: Callable[[], Any], publish: Callable[[Any], Params],
               fallback: Callable[[], Params], release: Callable[[bool], None]) -> None:
         """Run ``work`` on the handoff thread; the params are ``publish(its result)`` if it returns within
-        ``timeout_s``, else ``fallback()``. ``publish`` and ``fallback`` run under this object's lock (keep them cheap)."""
+        ``timeout_s``, else ``fallback()``. ``publish`` and ``fallback`` run under this object's lock: keep them
+        cheap."""
         job = _Job(time.monotonic() + timeout_s, fallback)
         with self._cond:
             self._jobs[request_id] = job

@@ -1,15 +1,15 @@
-"""NIXL connector, decode side: a request with ``do_remote_prefill`` params whose signature checks out (anything
-else is ignored before any connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
-its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
-bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, the READ in chunks of ``chunk_blocks`` blocks
-with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive while a long one runs), each
-chunk's checksums verified by the hash threads as soon as it lands while later chunks still move, then ``done``: only
-a lease still valid after the read proves the prefill blocks were never freed and reused during it, so an expired
-lease fails the load (``lease_expired``) instead of returning wrong tokens, and params edited to point elsewhere fail
-it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the request's prefix back to its
-first bad block and recomputes from there); a READ that fails (peer gone) fails the whole load. ``verify_checksums``:
-default on.
+"""NIXL connector, decode side: a request with ``do_remote_prefill`` params whose signature checks out (anything else is
+ignored before any connection: no client can make a decode pod dial an address it names) and a lease claims the listed
+blocks that match its own prompt beyond its local prefix hits and loads them in a background thread: handshake
+(mutually authenticated, bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call
+fails is dropped and re-handshaken next time), fingerprint check before any transfer, the READ in chunks of
+``chunk_blocks`` blocks with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive
+while a long one runs), each chunk's checksums verified by the hash threads as soon as it lands while later chunks
+still move, then ``done``: only a lease still valid after the read proves the prefill blocks were never freed and
+reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens, and params
+edited to point elsewhere fail it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the
+request's prefix back to its first bad block and recomputes from there); a READ that fails (peer gone) fails the whole
+load. ``verify_checksums``: default on.
 """
 
 from __future__ import annotations
