@@ -47,6 +47,7 @@ class LoadingConnector(KVConnectorBase):
     """Shared scheduler/worker bookkeeping for loads. Config: ``async_load`` (default true), ``load_timeout_s``."""
 
     name = "loading"
+    verify_checksums = True   # every loaded block is checked against its checksum (NIXL: a config switch)
 
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
         super().__init__(role, config, spec)
@@ -234,7 +235,7 @@ class LoadingConnector(KVConnectorBase):
         if job.record is not None:   # read by tracing when the request finishes (pdserve.tracing)
             job.record.update(connector=self.name, start=job.started, end=end, blocks=len(job.blocks),
                               bytes=ok * self.spec.block_bytes, failed_blocks=len(errors),
-                              errors=sorted(by_kind), verified=bool(getattr(self, "verify_checksums", False)))
+                              errors=sorted(by_kind), verified=self.verify_checksums)
 
     def _write_block(self, job: LoadJob, block_id: int, payload: memoryview) -> None:
         """Copy a verified block's bytes into the cache unless the job was cancelled (its blocks may belong to others

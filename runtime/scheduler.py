@@ -80,10 +80,10 @@ class Scheduler:
         return 0 if self.kv_transfers is None else self.kv_transfers.recomputed_tokens
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.take_events()
+        return self.kv.take_events()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.pool.reset_prefix_cache()
+        return self.kv.reset_prefix_cache()
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
