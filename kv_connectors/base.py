@@ -80,6 +80,24 @@ class ConnectorRequest(Protocol):
 
 
 @dataclass
+class PromptRequest:
+    """A ``ConnectorRequest`` without an engine, for tools that drive a connector directly (benchmarks, tests): the
+    prompt's block hashes are computed here, as the engine computes them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    block_size: int = 16
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from pdserve.runtime.block_hash import hash_token_blocks
+
+        self.block_hashes = hash_token_blocks(self.prompt_token_ids, self.block_size, self.cache_salt)
+
+
+@dataclass
 class KVConnectorMetadata:
     """What the scheduler decided this step; built by the scheduler half, consumed by the worker half."""
 
