@@ -101,8 +101,11 @@ class StoreSaving(LoadingConnector):
             self._mark_down(e, "save")
             return
         todo = [(h, b) for h, b, p in zip(hashes, block_ids, present) if not p]
-        if todo:
-            self._write(request_id, [h for h, _ in todo], [self.kv_cache[b].cpu() for _, b in todo])
+        if todo:   # the live blocks (held until this ends); on a GPU one gather copy to host
+            ids = [b for _, b in todo]
+            blocks = ([self.kv_cache[b] for b in ids] if self.kv_cache.device.type == "cpu"
+                      else list(self.kv_cache[torch.tensor(ids, device=self.kv_cache.device)].cpu()))
+            self._write(request_id, [h for h, _ in todo], blocks)
 
     def _hold_for_writes(self, request_id: str) -> bool:
         """Keep a finished handoff's blocks while a queued write still reads them live; True if so."""
