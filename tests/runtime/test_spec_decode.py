@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdserve.runtime import LLM, SamplingParams
-from tests.runtime.test_engine_vs_hf import _prompts
+from tests.support.hf_reference import parity_prompts
 from tests.support.parity import parity_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -42,7 +42,7 @@ def base():
 
 @pytest.fixture(scope="module")
 def prompts(base):
-    return _prompts(base.tokenizer)
+    return parity_prompts(base.tokenizer)
 
 
 @pytest.fixture(scope="module")
