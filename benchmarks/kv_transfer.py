@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +66,13 @@ def _use_kv_code(ref: str) -> None:
 if "--kv-code" in sys.argv:
     _use_kv_code(sys.argv[sys.argv.index("--kv-code") + 1])
 
-from pdserve.kv_connectors.base import KVCacheSpec, create_connector  # noqa: E402
-from pdserve.runtime.block_hash import hash_token_blocks  # noqa: E402
+from pdserve.kv_connectors.base import KVCacheSpec, PromptRequest, create_connector  # noqa: E402
 
 BLOCK, PROMPT_TOKENS = 16, 2049
 NUM_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK          # 128 blocks move
 
 
-@dataclass
-class Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    block_hashes: list[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK)
+Req = partial(PromptRequest, block_size=BLOCK)
 
 
 def spec_for(dtype: str) -> KVCacheSpec:

@@ -74,6 +74,25 @@ class QuantLinearModule(nn.Module):
         return sum(t.nbytes for t in list(self.parameters()) + list(self.buffers()))
 
 
+class KernelLinear(QuantLinearModule):
+    """A linear over a kernel that takes 2-D activations in one dtype (``self.dtype``) and returns that dtype:
+    flattens the leading dimensions, casts in and out, adds the bias (stored in ``self.dtype``)."""
+
+    dtype: torch.dtype
+    bias: torch.Tensor | None
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """(T, K) contiguous activations in ``self.dtype`` -> (T, N)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, self.in_features).to(self.dtype).contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+
 class LinearMethod(ABC):
     """Builds the layer for one weight. ``dtype`` is the activation (compute) dtype; the method may refuse it."""
 
@@ -88,6 +107,30 @@ class LinearMethod(ABC):
     def create(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                dtype: torch.dtype) -> QuantLinearModule:
         ...
+
+
+class DeviceLinearMethod(LinearMethod):
+    """A method for one device type: ``supports`` checks the device, then :meth:`check` the weight; ``create`` builds
+    :meth:`module_class` of the weight."""
+
+    device_type: str = "cpu"
+
+    @abstractmethod
+    def check(self, weight: QuantizedWeight) -> str | None:
+        """None when the weight fits this method's kernel, else why not."""
+
+    @abstractmethod
+    def module_class(self, weight: QuantizedWeight) -> type[QuantLinearModule]:
+        ...
+
+    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != self.device_type:
+            return f"runs on {self.device_type.upper()} only"
+        return self.check(weight)
+
+    def create(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+               dtype: torch.dtype) -> QuantLinearModule:
+        return self.module_class(weight)(weight, bias, device, dtype)
 
 
 _REGISTRY: dict[str, Callable[[], LinearMethod]] = {}

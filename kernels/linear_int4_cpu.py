@@ -18,14 +18,16 @@ kernel; they run as two int4 matmuls on the nibbles ``q = 16 h + l`` (h in [-8, 
 
 Speed: on AVX-512 hosts the kernel is vectorized for bfloat16 activations (several times faster than a dense bf16
 GEMV at batch 1); float32 activations take a slow scalar path. ``--dtype auto`` therefore computes in bfloat16 when
-weights are quantized on CPU (see runtime/quantization.py); note that bf16 rounds the scales to 8 mantissa bits.
+weights are quantized on CPU (see runtime/quantization.py). bf16 rounds the scales and zeros to 8 mantissa bits (exact
+for compressed-tensors' bf16 scales, not for GGUF's float16 ``d``), but the larger error is the kernel's bf16 output.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.linear_base import LinearMethod, QuantizedWeight, QuantLinearModule, register_linear_method
+from pdserve.kernels.linear_base import (DeviceLinearMethod, KernelLinear, QuantizedWeight, QuantLinearModule,
+                                         register_linear_method)
 
 _GROUPS = (256, 128, 64, 32)
 
@@ -35,7 +37,7 @@ def _kernel_group(group_size: int) -> int | None:
     return next((g for g in _GROUPS if group_size % g == 0), None)
 
 
-class Int4Linear(QuantLinearModule):
+class Int4Linear(KernelLinear):
     def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
         super().__init__()
         n, k = w.shape
@@ -51,22 +53,14 @@ class Int4Linear(QuantLinearModule):
             u, z = w.q.to(torch.int32) + 8, zero
         if int(u.min()) < 0 or int(u.max()) > 15:
             raise ValueError(f"{w.fmt}: 4-bit codes out of range [{int(u.min())}, {int(u.max())}]")
-        self.group_size = g
+        self.group_size, self.dtype = g, dtype
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1).to(device))
         sz = torch.stack([scale.t(), z.t()], dim=-1)                                    # (K/g, N, 2)
         self.register_buffer("scale_zeros", sz.to(device=device, dtype=dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != self.scale_zeros.dtype:
-            x2 = x2.to(self.scale_zeros.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
-                                                       self.scale_zeros)                # (T, N)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*lead, self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (T, K) -> (T, N)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
 
 
 class Int8GroupsAsInt4Linear(QuantLinearModule):
@@ -86,12 +80,10 @@ class Int8GroupsAsInt4Linear(QuantLinearModule):
 
 
 @register_linear_method("int4_cpu")
-class Int4CpuMethod(LinearMethod):
+class Int4CpuMethod(DeviceLinearMethod):
     name = "int4_cpu"
 
-    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cpu":
-            return "runs on CPU only"
+    def check(self, weight: QuantizedWeight) -> str | None:
         if weight.shape[1] % 32 or _kernel_group(weight.group_size) is None:
             return f"needs in_features and the group size divisible by 32 (got {weight.shape[1]}, {weight.group_size})"
         if weight.bits == 8 and weight.group_size == weight.shape[1] and weight.zero is None:
@@ -100,7 +92,5 @@ class Int4CpuMethod(LinearMethod):
             return f"{weight.bits}-bit codes are not supported"
         return None
 
-    def create(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> QuantLinearModule:
-        cls = Int4Linear if weight.bits == 4 else Int8GroupsAsInt4Linear
-        return cls(weight, bias, device, dtype)
+    def module_class(self, weight: QuantizedWeight) -> type[QuantLinearModule]:
+        return Int4Linear if weight.bits == 4 else Int8GroupsAsInt4Linear

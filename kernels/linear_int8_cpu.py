@@ -10,44 +10,35 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.linear_base import LinearMethod, QuantizedWeight, QuantLinearModule, register_linear_method
+from pdserve.kernels.linear_base import (DeviceLinearMethod, KernelLinear, QuantizedWeight, QuantLinearModule,
+                                         register_linear_method)
 
 
-class Int8Linear(QuantLinearModule):
+class Int8Linear(KernelLinear):
     def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = w.shape
+        self.dtype = dtype
         # Fresh copies: a tensor read from safetensors may sit at any byte offset of the file's buffer, and the
         # kernel's vector loads crash (SIGSEGV, torch 2.15, M >= 4) on an int8 weight that is not 64-byte aligned.
         self.register_buffer("q", w.q.to(device=device, dtype=torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scale", w.scale[:, 0].to(device=device, dtype=dtype).clone())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != self.scale.dtype:
-            x2 = x2.to(self.scale.dtype)
-        x2 = x2.contiguous()
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (T, K) -> (T, N)
         if x2.data_ptr() % 64:  # same alignment hazard as the weight (see __init__)
             x2 = x2.clone()
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)                    # (T, N)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*lead, self.out_features)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
 
 
 @register_linear_method("int8_cpu")
-class Int8CpuMethod(LinearMethod):
+class Int8CpuMethod(DeviceLinearMethod):
     name = "int8_cpu"
 
-    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cpu":
-            return "runs on CPU only"
+    def check(self, weight: QuantizedWeight) -> str | None:
         if weight.bits != 8 or weight.group_size != weight.shape[1] or weight.zero is not None:
             return "needs per-channel symmetric 8-bit codes"
         return None
 
-    def create(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-               dtype: torch.dtype) -> QuantLinearModule:
-        return Int8Linear(weight, bias, device, dtype)
+    def module_class(self, weight: QuantizedWeight) -> type[QuantLinearModule]:
+        return Int8Linear

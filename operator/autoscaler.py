@@ -24,6 +24,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.operator import names
+from pdserve.operator import pod as pod_helpers
 from pdserve.operator.autoscale_metrics import Windows, scrape
 from pdserve.operator.autoscale_policy import Decision, PoolWindow, State, decide
 from pdserve.operator.kube import Kube
@@ -83,22 +84,6 @@ def pool_role(role: str, disaggregated: bool) -> str:
     return role if role == "prefill" or disaggregated else "both"
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-def _metrics_url(pod: dict[str, Any]) -> str | None:
-    """http://<podIP>:<the container's `http` port>/metrics; only the pod's own IP, never an address it claims."""
-    ip = (pod.get("status") or {}).get("podIP")
-    if not ip or pod["metadata"].get("deletionTimestamp"):
-        return None
-    port = next((p["containerPort"] for c in pod["spec"].get("containers", []) for p in c.get("ports", [])
-                 if p.get("name") == "http"), names.RUNTIME_PORT)
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
-
-
 class Autoscaler:
     """Per-operator autoscaler state: one ``_Instance`` per autoscaled InferenceService."""
 
@@ -142,12 +127,12 @@ class Autoscaler:
             pods = await self.kube.list_pods(ns, names.pod_labels(name, pool_role(role, spec.prefill is not None)))
             uids = [p["metadata"]["uid"] for p in pods]
             seen.update(uids)
-            urls = {p["metadata"]["uid"]: _metrics_url(p) for p in pods}
+            urls = {p["metadata"]["uid"]: pod_helpers.runtime_url(p, "/metrics") for p in pods}
             samples = await asyncio.gather(*(scrape(self.session, u, now) for u in urls.values() if u))
             for uid, sample in zip([u for u, url in urls.items() if url], samples):
                 if sample is not None:
                     inst.windows.record(uid, sample, auto.window_seconds)
-            ready = sum(_ready(p) for p in pods if not p["metadata"].get("deletionTimestamp"))
+            ready = sum(pod_helpers.is_ready(p) for p in pods if not p["metadata"].get("deletionTimestamp"))
             pools[role] = (target, inst.windows.pool(uids, pool.replicas, ready, now))
         inst.windows.forget_except(seen)
         decisions, inst.state = decide(now, pools, inst.state)

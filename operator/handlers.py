@@ -5,6 +5,8 @@
 - events of owned Deployments/Services: a deleted child, or one whose spec changed (its generation moved, e.g. a hand
   edit), triggers a full sync of its owner at once; any other change only refreshes the owner's status (status
   follows the children's readyReplicas). Other kinds (ConfigMap, RBAC, Secret) are repaired by the timer.
+- with LoRA on, every sync also brings each ready runtime pod to spec.loras through the pod's load/unload API
+  (lora_sync.py): Deployment status changes (a pod turned Ready) and the resync timer keep new pods in step.
 - a timer per autoscaled InferenceService (spec.autoscaling) runs the autoscaler (autoscaler.py), which writes
   replicas into the spec; the spec change then reconciles like any other.
 - an invalid spec (one the CRD schema let through) sets Ready=False with the reason, posts a Warning Event once per
@@ -28,7 +30,9 @@ from pdserve.operator import names
 from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.kube import Kube
 from pdserve.operator.metrics import OperatorMetrics
-from pdserve.operator.reconcile import reconcile
+from pdserve.operator.lora_sync import AdapterSync
+from pdserve.operator.reconcile import parse_spec, reconcile
+from pdserve.operator.runtime_deployment import lora_enabled, lora_paths
 
 ISVC = (names.GROUP, names.VERSION, names.PLURAL)
 
@@ -71,7 +75,12 @@ async def sync(memo: Any, body: dict[str, Any], logger: logging.Logger | logging
             for kind, child in result.prune:
                 logger.info("deleting %s %s/%s: no longer in the spec", kind, ns, child)
                 await kube.delete(kind, ns, child)
-            result = reconcile(body, await kube.observe(ns, name, uid))
+            observed = await kube.observe(ns, name, uid)
+        spec = parse_spec(body)
+        if lora_enabled(spec):  # bring every ready runtime pod to spec.loras through its API (lora_sync.py)
+            observed.adapters = await memo.adapters.sync(body, spec, lora_paths(spec))
+        if repair or observed.adapters is not None:
+            result = reconcile(body, observed)
         memo.metrics.pool_status(ns, name, result.status)
         if any(old_status.get(k) != v for k, v in result.status.items()):
             if not await kube.patch_status(ns, name, result.status):
@@ -104,6 +113,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
         memo.statuses = {}  # (namespace, name) -> (uid, status last written), see sync()
         memo.generations = {}  # (kind, namespace, name) -> last seen metadata.generation of owned children
         memo.autoscaler = Autoscaler(memo.kube, metrics if metrics is not None else CollectorRegistry())
+        memo.adapters = AdapterSync(memo.kube)
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -118,6 +128,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
                 break
             await asyncio.sleep(0.1)
         await memo.autoscaler.close()
+        await memo.adapters.close()
         await memo.kube.close()
 
     @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
@@ -133,6 +144,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float, autoscale_t
         memo.locks.pop(key, None)
         memo.metrics.forget(*key)
         memo.autoscaler.forget(*key)
+        memo.adapters.forget(*key)
 
     @kopf.timer(*ISVC, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     async def resync(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:

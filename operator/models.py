@@ -55,6 +55,18 @@ class LoRASpec(_Model):
                      "image.")
 
 
+class LoRAConfigSpec(_Model):
+    """How runtime pods serve adapters (the `pdserve serve` LoRA flags). Fixed per pool: the adapter set
+    (spec.loras) changes through the pods' load/unload API without a restart, these settings roll the pods."""
+
+    max_loras: int = Field(4, ge=1, le=256, description="Adapters resident on the device at once (`--max-loras`): "
+                           "one batch mixes at most this many; more adapters are served by swapping, least recently "
+                           "used first. Not derived from the number of spec.loras, so adding one never rolls pods.")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest adapter rank accepted (`--max-lora-rank`).")
+    max_cpu_loras: int | None = Field(None, ge=1, le=4096, description="Adapters kept loaded in CPU memory "
+                                      "(`--max-cpu-loras`, default maxLoras); others are re-read on use.")
+
+
 class Resources(_Model):
     requests: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
     limits: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": _QUANTITY})
@@ -185,7 +197,14 @@ class InferenceServiceSpec(_Model):
                                         json_schema_extra={"default": {"connector": "nixl"}})  # CEL checks defaults
     autoscaling: AutoscalingSpec | None = None
     loras: list[LoRASpec] | None = Field(None, max_length=64, description="LoRA adapters every runtime pod of both "
-                                         "roles serves (`--enable-lora --lora-modules`); names must be unique.")
+                                         "roles serves; names must be unique. Pods start with LoRA enabled (when this "
+                                         "field or loraConfig is set, `[]` included) and the operator loads/unloads "
+                                         "adapters in running pods through their /v1/load_lora_adapter and "
+                                         "/v1/unload_lora_adapter API: a change never rolls the pods, except an "
+                                         "adapter on a PVC no other adapter uses (a new volume) or the last one on a "
+                                         "claim. status.loras reports per-adapter readiness.")
+    lora_config: LoRAConfigSpec | None = Field(None, description="LoRA serving settings (defaults apply when spec.loras "
+                                               "is set).")
 
     @model_validator(mode="after")
     def _autoscaled_pools_exist(self) -> InferenceServiceSpec:
@@ -214,6 +233,14 @@ class PoolStatus(_Model):
     selector: str = ""
 
 
+class LoRAStatus(_Model):
+    name: str
+    ready_replicas: int = Field(0, description="Ready runtime pods that have the adapter loaded.")
+    desired_replicas: int = Field(0, description="Runtime pods of both roles the spec asks for.")
+    ready: str = Field("0/0", description="readyReplicas/desiredReplicas")
+    message: str = Field("", description="Why the adapter is not loaded somewhere (the pod's answer), if it is not.")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = None
     phase: Literal["Pending", "Progressing", "Ready", "Failed"] | None = None
@@ -222,3 +249,4 @@ class InferenceServiceStatus(_Model):
     decode: PoolStatus | None = None
     router: PoolStatus | None = None
     endpoint: str | None = None
+    loras: list[LoRAStatus] | None = None

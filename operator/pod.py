@@ -105,3 +105,20 @@ def deployment(meta: dict[str, Any], replicas: int, pod_labels: dict[str, str], 
             "template": {"metadata": {"labels": dict(pod_labels), "annotations": dict(annotations)}, "spec": pod_spec},
         },
     }
+
+
+def runtime_url(pod: dict[str, Any], path: str) -> str | None:
+    """http://<podIP>:<the container's `http` port><path> of a live pod (None: no IP yet, or terminating). The address
+    is the Pod object's status.podIP as the API server reports it, never anything a pod or client claims."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip or pod["metadata"].get("deletionTimestamp"):
+        return None
+    port = next((p["containerPort"] for c in pod["spec"].get("containers", []) for p in c.get("ports", [])
+                 if p.get("name") == "http"), names.RUNTIME_PORT)
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{path}"
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])

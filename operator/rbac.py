@@ -22,8 +22,9 @@ NAMESPACED_RULES = [
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
     # the autoscaler writes decode replicas through /scale (it lists pods under ROUTER_RULES' pod reads)
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/scale"], "verbs": ["get", "patch"]},
-    # the per-InferenceService KV-transfer token: created once, never read back or updated
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    # create: the per-InferenceService KV-transfer token (created once, never updated); get: the runtime API key
+    # (spec.runtime.apiKeySecretRef) the operator presents to the pods' LoRA load/unload API (lora_sync.py)
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get"]},
     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": CHILD_VERBS},
     # held only so the operator may grant them to each router's Role (RBAC forbids granting what one lacks)
     *ROUTER_RULES,

@@ -17,11 +17,12 @@ import pydantic
 
 from pdserve.operator import names, pod
 from pdserve.operator.configmap import build_config_map, build_kv_token_secret, config_hash
+from pdserve.operator.lora_sync import PodAdapters, lora_status
 from pdserve.operator.models import InferenceServiceSpec
 from pdserve.operator.pdb import build_pdb
 from pdserve.operator.pod import InvalidSpec
 from pdserve.operator.router_objects import build_router_deployment, build_router_rbac
-from pdserve.operator.runtime_deployment import build_runtime_deployment
+from pdserve.operator.runtime_deployment import build_runtime_deployment, lora_enabled
 from pdserve.operator.services import build_headless_service, build_router_service, endpoint_url
 
 PRUNABLE_KINDS = ("Deployment", "Service", "PodDisruptionBudget")  # kinds whose set of names depends on the spec
@@ -34,6 +35,7 @@ class Observed:
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
     pdbs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    adapters: list[PodAdapters] | None = None  # the last LoRA round over the ready runtime pods (lora_sync.py)
 
 
 @dataclass
@@ -131,6 +133,10 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, observed: O
     else:
         ready = ("Ready", False, next(r for _, ok, r, _ in conds if not ok), "; ".join(
             f"{t}: {m}" for t, ok, _, m in conds if not ok))
+    status["loras"] = None  # merge patch: removes the list when LoRA is off
+    if lora_enabled(spec):  # Ready is about the base model; adapters have their own condition
+        status["loras"], lora_cond = lora_status(spec, observed.adapters)
+        conds.append(lora_cond)
     status["conditions"] = _conditions(body, [ready, *conds], now)
     status["phase"] = "Ready" if ready[1] else ("Pending" if not observed.deployments else "Progressing")
     status["endpoint"] = endpoint_url(name, ns, spec)

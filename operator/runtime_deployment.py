@@ -7,15 +7,17 @@ variables without repeating the shared ones.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from pdserve.operator import names, pod
 from pdserve.operator.configmap import (KV_TOKEN_ENV, KV_TOKEN_KEY, POD_IP_ENV, REDIS_URL_ENV, env_from,
                                        kv_connector_config)
-from pdserve.operator.models import InferenceServiceSpec, PoolSpec, RuntimeOverrides, RuntimeSpec
+from pdserve.operator.models import InferenceServiceSpec, LoRAConfigSpec, PoolSpec, RuntimeOverrides, RuntimeSpec
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # runtime/envs.api_key()
+LORA_UPDATING_ENV = "PDSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # runtime/envs.allow_runtime_lora_updating()
 STARTUP_SECONDS = 900  # model download + load before liveness applies
 
 
@@ -50,25 +52,44 @@ def model_source(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, 
     return ["--model", uri], [], []
 
 
+def lora_enabled(spec: InferenceServiceSpec) -> bool:
+    """Pods serve adapters when spec.loras (even ``[]``) or spec.loraConfig is set."""
+    return spec.loras is not None or spec.lora_config is not None
+
+
+def _claim_of(uri: str) -> tuple[str, str] | None:
+    if not uri.startswith("pvc://"):
+        return None
+    claim, _, sub = uri.removeprefix("pvc://").partition("/")
+    return claim, sub
+
+
+def lora_paths(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Adapter name -> its directory inside the pod (what the operator passes to /v1/load_lora_adapter)."""
+    out = {}
+    for lora in spec.loras or []:
+        pvc = _claim_of(lora.uri)
+        out[lora.name] = lora.uri if pvc is None else f"{names.MODELS_MOUNT}/lora/{pvc[0]}/{pvc[1]}".rstrip("/")
+    return out
+
+
 def lora_source(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(LoRA args, volumes, mounts) for spec.loras: every adapter resident (``--max-loras`` = their number); one
-    read-only volume per distinct claim, mounted under the models mount."""
-    loras = spec.loras or []
-    if not loras:
+    """(LoRA args, volumes, mounts). The adapters themselves are NOT in the pod template: the operator loads them
+    through the pods' API (operator/lora_sync.py), so that changing spec.loras keeps the pods. ``--max-loras`` is
+    spec.loraConfig.maxLoras (default 4), never the number of adapters, for the same reason. One read-only volume per
+    distinct claim, named after a digest of the claim so that adding an adapter on a known claim changes nothing."""
+    if not lora_enabled(spec):
         return [], [], []
-    modules, volumes, mounts, claims = [], [], [], {}
-    for lora in loras:
-        path = lora.uri
-        if path.startswith("pvc://"):
-            claim, _, sub = path.removeprefix("pvc://").partition("/")
-            if claim not in claims:
-                vol = claims[claim] = f"lora-{len(claims)}"
-                volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-                mounts.append({"name": vol, "mountPath": f"{names.MODELS_MOUNT}/lora/{claim}", "readOnly": True})
-            path = f"{names.MODELS_MOUNT}/lora/{claim}/{sub}".rstrip("/")
-        modules.append(f"{lora.name}={path}")
-    n = str(len(loras))
-    return ["--enable-lora", "--max-loras", n, "--max-cpu-loras", n, "--lora-modules", *modules], volumes, mounts
+    cfg = spec.lora_config or LoRAConfigSpec()
+    args = ["--enable-lora", "--max-loras", str(cfg.max_loras), "--max-lora-rank", str(cfg.max_lora_rank)]
+    if cfg.max_cpu_loras:
+        args += ["--max-cpu-loras", str(cfg.max_cpu_loras)]
+    volumes, mounts = [], []
+    for claim in sorted({pvc[0] for lora in spec.loras or [] if (pvc := _claim_of(lora.uri))}):
+        vol = f"lora-{hashlib.sha256(claim.encode()).hexdigest()[:12]}"
+        volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": vol, "mountPath": f"{names.MODELS_MOUNT}/lora/{claim}", "readOnly": True})
+    return args, volumes, mounts
 
 
 def serve_args(spec: InferenceServiceSpec, rt: RuntimeSpec, role: str, model_args: list[str]) -> list[str]:
@@ -100,6 +121,8 @@ def serve_env(name: str, spec: InferenceServiceSpec, rt: RuntimeSpec) -> list[di
         env.append(pod.secret_env(REDIS_URL_ENV, redis.url_secret_ref))
     if spec.model.auth_secret_ref:
         env.append(pod.secret_env("HF_TOKEN", spec.model.auth_secret_ref))
+    if lora_enabled(spec):  # the operator manages the adapters through /v1/load_lora_adapter + /v1/unload_lora_adapter
+        env.append({"name": LORA_UPDATING_ENV, "value": "true"})
     return env + list(rt.env or [])
 
 

@@ -29,7 +29,8 @@ class EndpointSpec:
 
 class Endpoint:
     __slots__ = ("url", "role", "kv_events", "healthy", "breaker", "in_flight", "waiting", "running", "kv_usage",
-                 "kv_fingerprint", "lora_running", "lora_waiting", "max_loras", "base_model")
+                 "kv_fingerprint", "lora_running", "lora_waiting", "max_loras", "base_model",
+                 "lora_digests")
 
     def __init__(self, spec: EndpointSpec, breaker: CircuitBreaker):
         self.url = spec.url
@@ -46,6 +47,7 @@ class Endpoint:
         self.lora_waiting: frozenset[str] = frozenset()
         self.max_loras = 0                                # 0: the pod serves no adapters
         self.base_model: str | None = None                # model_name label of the pod's load metrics
+        self.lora_digests: dict[str, str] = {}            # adapter -> weight digest (pdserve:lora_adapter_info)
 
     @property
     def routable(self) -> bool:

@@ -25,8 +25,17 @@ class RequestContext:
     headers: dict[str, str]                     # lower-case names
     request_id: str
     num_prompt_tokens: int = 0                  # exact when tokenized, else estimated (4 chars/token)
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # base-model hashes; empty for an adapter: hashes_for
     matched_blocks: dict[str, float] = field(default_factory=dict)  # pod url -> cached leading blocks (prefix scorer)
+    lora_name: str | None = None                # the adapter ``model`` names (None: the base model)
+    lora_block_hashes: dict[str, list[bytes]] = field(default_factory=dict)  # adapter weight digest -> block hashes
+
+    def hashes_for(self, pod: Endpoint) -> list[bytes]:
+        """The prompt's block hashes as ``pod``'s engine keys them: with the digest of the adapter's weights there
+        (runtime/block_hash.py), none for a pod without the adapter, so base and adapter blocks never match."""
+        if self.lora_name is None:
+            return self.block_hashes
+        return self.lora_block_hashes.get(pod.lora_digests.get(self.lora_name, ""), [])
 
 
 class Filter(ABC):

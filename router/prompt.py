@@ -178,15 +178,17 @@ def estimate_tokens(body: dict[str, Any]) -> int:
 _HASHES = ByteBoundedCache(32 * 1024 * 1024, _block_cost)  # (parent, block, extra keys) -> hash; prefixes hash once
 
 
-def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any) -> list[BlockHash]:
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any,
+                 lora_digest: str | None = None) -> list[BlockHash]:
     """The chained hashes of the prompt's full blocks, computed by the runtime's own ``hash_block`` (memoized), so
-    they equal ``block_hash.hash_token_blocks(token_ids, block_size, cache_salt)`` by construction."""
+    they equal ``block_hash.hash_token_blocks(token_ids, block_size, cache_salt, lora_digest=lora_digest)`` by
+    construction (``lora_digest``: the weight digest of the request's adapter on the pod, as the engine keys it)."""
     salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
     out: list[BlockHash] = []
     parent: BlockHash | None = None
     for i in range(len(token_ids) // block_size):
         block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        extra = block_extra_keys(i, salt)
+        extra = block_extra_keys(i, salt, lora_digest)
         key = (parent, block, extra)
         h = _HASHES.get(key)
         if h is None:

@@ -27,6 +27,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pd import client_body, decode_body, kv_secret, run_prefill
 from pdserve.router.policies import build_profile, needs_tokens
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.plugins.lora_affinity import adapter_of
 from pdserve.router.prompt import PromptTokenizer, block_hashes, estimate_tokens
 from pdserve.router.responses import Send, send_bytes, send_error, send_json
 from pdserve.router.upstream import Attempt, Upstream, UpstreamFailure
@@ -60,7 +61,12 @@ class Router:
             else:
                 ctx.num_prompt_tokens = len(ids)
                 if self.precise:
-                    ctx.block_hashes = block_hashes(ids, self.cfg.block_size, body.get("cache_salt"))
+                    salt, size = body.get("cache_salt"), self.cfg.block_size
+                    ctx.lora_name = adapter_of(body.get("model"), list(self.pool))
+                    if ctx.lora_name is None:
+                        ctx.block_hashes = block_hashes(ids, size, salt)
+                    for digest in {p.lora_digests.get(ctx.lora_name) for p in self.pool} - {None}:
+                        ctx.lora_block_hashes[digest] = block_hashes(ids, size, salt, digest)
         return ctx
 
     async def context_async(self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str,
@@ -134,7 +140,7 @@ class Router:
                     return "bad_request"
                 if res.kv_transfer_params is not None:
                     payload = json.dumps(decode_body(body, res.kv_transfer_params)).encode()
-                    self.index.add_speculative(res.endpoint.url, ctx.block_hashes)
+                    self.index.add_speculative(res.endpoint.url, ctx.hashes_for(res.endpoint))
                 elif cfg.prefill_failure == "fail":
                     m.child(m.pd_fallbacks, "fail").inc()
                     await send_error(send, 502, f"prefill failed: {res.error}", code="prefill_failed",
@@ -156,8 +162,8 @@ class Router:
                              retry_after=5 if status == 503 else None, request_id=request_id)
             return "upstream_error" if e.tried else "no_endpoint"
         tracing.annotate(pdserve__decode__served_by=att.endpoint.url)
-        if ctx.block_hashes:
-            self.index.add_speculative(att.endpoint.url, ctx.block_hashes)
+        if hashes := ctx.hashes_for(att.endpoint):
+            self.index.add_speculative(att.endpoint.url, hashes)
         m.prompt_tokens.inc(ctx.num_prompt_tokens)
         m.prefix_hit_tokens.inc(min(ctx.num_prompt_tokens,
                                     int(ctx.matched_blocks.get(att.endpoint.url, 0)) * cfg.block_size))

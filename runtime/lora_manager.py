@@ -53,6 +53,7 @@ class LoRAManager:
         self.shapes = ProjShapes.from_model(model)
         self.ctx = LoRAContext()
         self.registry: dict[str, tuple[str, str | None]] = {}        # name -> (path, base_model_name)
+        self._digests: dict[str, str] = {}                           # name -> digest of its last load
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()      # name -> loaded, least recently used first
         self.slots: list[LoRAAdapter | None] = [None] * config.max_loras
         self._slot_lru: OrderedDict[int, int] = OrderedDict()        # int_id -> slot, least recently used first
@@ -92,6 +93,7 @@ class LoRAManager:
             if name in self.registry:
                 raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
             self.registry[name] = (str(path), base_model_name)
+            self._digests[name] = adapter.digest
             self._cache(adapter)
         log.info("LoRA adapter %r loaded from %s (rank %d, digest %s)", name, path, adapter.rank, adapter.digest[:12])
         return adapter
@@ -102,11 +104,18 @@ class LoRAManager:
             if self.registry.pop(name, None) is None:
                 raise LoRANotFound(f"The lora adapter '{name}' cannot be found.")
             self.cpu.pop(name, None)
+            self._digests.pop(name, None)
 
     def names(self) -> list[tuple[str, str, str | None]]:
         """(name, path, base_model_name) of every registered adapter."""
         with self._lock:
             return [(n, path, base) for n, (path, base) in self.registry.items()]
+
+    def digests(self) -> dict[str, str]:
+        """name -> weight digest of every registered adapter, as of its last load (the prefix-cache identity; the
+        router keys its block hashes with it, see router/plugins/precise_prefix.py)."""
+        with self._lock:
+            return {n: self._digests[n] for n in self.registry if n in self._digests}
 
     def __contains__(self, name: str) -> bool:
         return name in self.registry
@@ -127,6 +136,7 @@ class LoRAManager:
             with self._lock:
                 if self.registry.get(name, (None,))[0] == path:
                     adapter = self.cpu.get(name, adapter)
+                    self._digests[name] = adapter.digest
                     self._cache(adapter)
         adapter.ref_count += 1
         with self._lock:

@@ -10,7 +10,9 @@
   same API key as every /v1 route. An adapter that cannot be served -> 400 with the reason; the server keeps serving.
 * ``/v1/models`` lists adapters with ``parent`` (their base model) and ``root`` (their directory).
 * Metrics: ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`` (value: the time of the
-  sample, as vLLM) and ``pdserve:lora_requests{lora_name}`` (requests admitted per adapter).
+  sample, as vLLM), ``pdserve:lora_requests{lora_name}`` (requests admitted per adapter) and
+  ``pdserve:lora_adapter_info{lora_name, lora_digest}`` (1 per registered adapter: the digest of its weights, which the
+  router's prefix scorer puts into its block hashes as the engine does).
 """
 
 from __future__ import annotations
@@ -117,3 +119,8 @@ class LoRACollector(Collector):
         for name, n in sorted(self.engine.lora.request_counts().items()):
             total.add_metric([self.metrics.model_name, name], float(n))
         yield total
+        adapters = GaugeMetricFamily("pdserve:lora_adapter_info", "Registered LoRA adapters and the digest of their "
+                                     "weights (the prefix-cache identity).", labels=["lora_name", "lora_digest"])
+        for name, digest in sorted(self.engine.lora.digests().items()):
+            adapters.add_metric([name, digest], 1.0)
+        yield adapters

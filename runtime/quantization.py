@@ -22,11 +22,22 @@ Compute dtype and kernel (kernels/linear_*.py, picked by the registry):
   weights token for token, by construction; ~4.8x smaller than float32, but each step rebuilds the float weights.
 
 Why the bf16 kernels miss the >= 95% free-running greedy agreement of issue 14 (measured 2026-11-23, 8 parity prompts,
-32 tokens): int4 73% against transformers float32 and 79% against transformers bfloat16 on the same weights (the dense
-bf16 engine: 79% / 92.5%). torch's float32-activation int4/int8 CPU kernels exist but are scalar loops (~25x / ~12x a
-dense float32 GEMM). A float32 model calling the bf16 int4 kernel four times (activations and scales each split into
-bf16 high + low parts, float32 sum; LM head float32) agreed 100%, but costs four kernel calls; splitting only
-activations or only scales: 86%, so the bf16 rounding of scales and zeros matters as much as that of activations.
+32 tokens, OMP_NUM_THREADS=1). torch's CPU int4/int8 kernels are vectorized for bfloat16 only (float32 and float16
+activations take scalar loops, 20-45x a dense float32 GEMM at batch 1 and 32) and return bfloat16, so the fast path
+rounds three things to 8 mantissa bits: activations, scales/zeros (exact for compressed-tensors' bf16 scales, not for
+GGUF's float16 ``d``), and every linear's output. Each alone flips near-ties: emulated in a float32 model with float32
+GEMMs, bf16 scales alone give 87% (the first token of one prompt flips), bf16 outputs alone 97%, bf16 activations
+alone 100%, bf16 scales and activations 94%. With the real kernel the output rounding is the floor: split activations
+(x = hi + lo, both bf16, stacked in one call: nearly free at batch 1) plus float32-exact scales (a second call on the
+bf16 remainder) leave every Q4_1 layer at ~2e-3 of its output's max (~3e-3 unsplit), and free-running agreement is
+then a lottery over which near-tie flips first: 67%, 74% and 91% for those variants in a float32 model, 73% for the
+bf16 engine. Nor does a fairer reference get there: transformers in bf16 on exactly the weights the kernel computes
+with (its bf16 scales and zeros, float32 accumulation emulated) agrees 77% with the bf16 int4 engine; transformers
+bf16 vs transformers float32: 78%; the dense bf16 engine: 79% (92.5% vs transformers bf16). What closes it is a
+float32 model with a kernel that takes float32 scales and returns float32: with torch's kernel that costs 2.5x one call
+(a second int4 call subtracting the first call's bf16 output inside its float32 sum via an extra group of codes:
+~6e-6 error, batch 1 only), slower than a dense float32 GEMV, so not offered; a fused float32 dequantize-GEMV
+(C++/AVX-512) would be the real fix.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from pdserve.router.plugins import (  # noqa: F401
     least_loaded,
     load_guard,
     lora_affinity,
+    lora_filter,
     max_score,
     precise_prefix,
     queue_scorer,

@@ -8,6 +8,8 @@ sends it back to its last pod. Weighted below the precise scorer, which wins whe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.router.framework import RequestContext, register
 from pdserve.router.plugins.precise_prefix import PrecisePrefixScorer
 
@@ -16,5 +18,5 @@ from pdserve.router.plugins.precise_prefix import PrecisePrefixScorer
 class RouteHistoryScorer(PrecisePrefixScorer):
     """Scores like the precise prefix scorer, from where prefixes were last routed instead of what pods hold."""
 
-    def match(self, ctx: RequestContext, urls: list[str]) -> dict[str, int]:
-        return self.index.match_history(ctx.block_hashes, urls)
+    def match(self, ctx: RequestContext, hashes: Sequence[bytes], urls: list[str]) -> dict[str, int]:
+        return self.index.match_history(hashes, urls)

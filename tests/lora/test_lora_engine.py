@@ -41,6 +41,14 @@ def test_mixed_batch_matches_transformers_peft(llm, prompt_ids, hf_refs):
     # The batch really mixed: steps ran base rows and both adapters' slots together.
     assert lora.num_mixed_steps > mixed_before
     assert lora.requests_total["attn8"] >= len(prompt_ids) and lora.requests_total["mlp16"] >= len(prompt_ids)
+    # ... and equals separate runs of pdserve, one per adapter (cold cache each, no mixed step)
+    for name in NAMES:
+        llm.engine.reset_prefix_cache()
+        mixed_before = lora.num_mixed_steps
+        alone = llm.generate(prompt_ids, GREEDY, lora_name=name)
+        assert lora.num_mixed_steps == mixed_before
+        assert [o.outputs[0].token_ids for o in alone] == \
+            [o.outputs[0].token_ids for o, n in zip(outs, names) if n == name], name
 
 
 def test_base_and_adapter_never_share_cached_blocks(llm, prompt_ids, hf_refs, adapter_dirs, tmp_path):

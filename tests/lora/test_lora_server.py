@@ -109,6 +109,10 @@ def test_lora_metrics(client, server, prompt_ids):
     finally:
         stream.close()
     assert info["lora_running"] == {"attn8"} and info["max_loras"] == 2
+    # every registered adapter with its weight digest (the router keys prefix hashes with it)
+    assert set(info["lora_digests"]) >= {"attn8", "mlp16"}
+    assert len({info["lora_digests"][n] for n in ("attn8", "mlp16")}) == 2
+    assert all(len(d) == 64 and int(d, 16) >= 0 for d in info["lora_digests"].values())
     assert info["base_model"] == next(m.id for m in client.models.list().data if m.parent is None)
     _complete(client, "attn8", prompt_ids[1])
     text = httpx.get(server.url + "/metrics", timeout=30).text

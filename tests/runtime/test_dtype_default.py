@@ -52,33 +52,22 @@ def test_cpu_flags_parsing(tmp_path):
 @pytest.mark.slow
 def test_bf16_engine_agrees_with_transformers_bf16():
     """The engine in bf16 (what auto picks on this kind of CPU) vs transformers bf16: >= 99% teacher-forced top-1."""
-    from test_engine_vs_hf import _prompts  # the engine parity prompt set (same directory)
-    from transformers import AutoModelForCausalLM
-
     from pdserve.runtime import LLM, SamplingParams
     from pdserve.runtime.model_loader import load_tokenizer, resolve_model_path
+    from tests.support.hf_reference import hf_greedy, short_parity_prompts, teacher_forced_agreement
 
     new = 16
     model_dir = resolve_model_path(None)
-    prompts = [p for p in _prompts(load_tokenizer(model_dir)) if len(p) <= 48][:8]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-            refs.append(g[0, len(ids):].tolist())
-    del hf
+    prompts = short_parity_prompts(load_tokenizer(model_dir))
+    refs = hf_greedy(model_dir, prompts, new, dtype=torch.bfloat16, ignore_eos=True)
     llm = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks=256, device="cpu")
     try:
         assert llm.engine.dtype == torch.bfloat16
-        reqs = [(list(p) + ref[:i], ref[i]) for p, ref in zip(prompts, refs) for i in range(new)]
-        outs = llm.generate([r for r, _ in reqs], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        same = sum(o.outputs[0].token_ids[0] == want for o, (_, want) in zip(outs, reqs))
+        forced = teacher_forced_agreement(llm, prompts, refs)
         free = llm.generate([list(p) for p in prompts], SamplingParams(max_tokens=new, temperature=0.0,
                                                                        ignore_eos=True))
         exact = sum(list(o.outputs[0].token_ids) == ref for o, ref in zip(free, refs))
     finally:
         llm.shutdown()
-    print(f"bf16 teacher-forced top-1 agreement {same}/{len(reqs)}, free-running identical {exact}/{len(prompts)}")
-    assert same >= 0.99 * len(reqs)
+    print(f"bf16 teacher-forced top-1 agreement {forced:.3f}, free-running identical {exact}/{len(prompts)}")
+    assert forced >= 0.99

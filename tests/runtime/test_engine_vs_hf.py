@@ -1,8 +1,9 @@
 """Greedy float32 output of the engine equals Hugging Face transformers ``generate`` token for token.
 
-Same weights (the default model's cached safetensors directory), 20 varied prompts (raw and chat, 1 to ~1,500 tokens),
-64 new tokens, checked four ways: all submitted together; with chunked prefill forced to 64-token steps; with a pool
-so small that requests are preempted (and recomputed); and a second run that hits the prefix cache.
+Same weights (the default model's cached safetensors directory), the 20 parity prompts of tests/support/hf_reference.py
+(raw and chat, 1 to ~1,500 tokens), 64 new tokens, checked four ways: all submitted together; with chunked prefill
+forced to 64-token steps; with a pool so small that requests are preempted (and recomputed); and a second run that
+hits the prefix cache.
 """
 
 from __future__ import annotations
@@ -16,56 +17,11 @@ import torch
 import transformers
 
 from pdserve.runtime import LLM, SamplingParams
+from tests.support.hf_reference import hf_greedy, parity_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # HF generate is slow on 2 shared cores
 
 MAX_NEW = 64
-PARAGRAPHS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-    "metal type, oil-based ink and a screw press adapted from wine making. Within fifty years, presses operated in "
-    "more than two hundred European cities, and the cost of books fell so far that literacy spread beyond the clergy.",
-    "Photosynthesis converts light energy into chemical energy. In the chloroplasts of plant cells, chlorophyll "
-    "absorbs mostly blue and red light, splitting water molecules and releasing oxygen, while the Calvin cycle fixes "
-    "carbon dioxide into three-carbon sugars that the plant later assembles into glucose, starch and cellulose.",
-    "A hash table stores key-value pairs in an array of buckets. A hash function maps each key to a bucket index; "
-    "collisions are resolved by chaining or open addressing. With a good hash function and a load factor kept below "
-    "a constant, lookups, insertions and deletions take expected constant time.",
-    "The Silk Road was not a single road but a network of caravan routes linking China with Central Asia, Persia, "
-    "Arabia and the Mediterranean. Merchants traded silk, spices, glass and horses, and along with goods travelled "
-    "religions, technologies such as papermaking, and, tragically, diseases like the plague.",
-    "Mount Everest rises 8,849 metres above sea level on the border between Nepal and the Tibet Autonomous Region. "
-    "Climbers face extreme cold, hurricane-force winds and air with a third of the oxygen at sea level; most "
-    "expeditions use bottled oxygen and spend weeks acclimatising at base camp before a summit attempt.",
-    "In economics, inflation is the rate at which the general level of prices rises. Central banks usually target a "
-    "low, stable rate by adjusting interest rates: raising them cools borrowing and spending, while lowering them "
-    "encourages investment. Hyperinflation, as in Weimar Germany, destroys savings within months.",
-]
-
-
-def _prompts(tokenizer) -> list[list[int]]:
-    raw = [
-        "The", "Hello, my name is", "The capital of France is", "def fibonacci(n):\n",
-        "Once upon a time, in a small village by the sea,", "1, 2, 3, 5, 8, 13,",
-        "Translate to French: I love reading books in the garden.", PARAGRAPHS[0],
-        " ".join(PARAGRAPHS[:3]) + "\nSummary:", "Q: Why is the sky blue?\nA:",
-        "\n\n".join(PARAGRAPHS * 4) + "\n\nIn conclusion,",                     # ~1,500 tokens
-        "\n\n".join(PARAGRAPHS[2:] * 2) + "\nThe most important idea above is",
-    ]
-    chats = [
-        [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "user", "content": "Write a haiku about autumn."}],
-        [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primes."}],
-        [{"role": "user", "content": "Explain photosynthesis to a child."}],
-        [{"role": "user", "content": PARAGRAPHS[3] + "\n\nWhat was traded on the Silk Road?"}],
-        [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-         {"role": "user", "content": "Tell me a fun fact about octopuses."}],
-        [{"role": "user", "content": "\n".join(PARAGRAPHS) + "\n\nWhich paragraph is about computer science?"}],
-        [{"role": "user", "content": "List the planets of the solar system."}],
-    ]
-    ids = [tokenizer.encode(p, add_special_tokens=False) for p in raw]
-    ids += [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for c in chats]
-    return ids
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +33,7 @@ def engine_llm():
 
 @pytest.fixture(scope="module")
 def prompts(engine_llm):
-    ids = _prompts(engine_llm.tokenizer)
+    ids = parity_prompts(engine_llm.tokenizer)
     assert len(ids) >= 20 and min(map(len, ids)) == 1 and 1300 <= max(map(len, ids)) <= 1700, sorted(map(len, ids))
     return ids
 
@@ -97,25 +53,11 @@ def hf_reference(engine_llm, prompts):
     cache = envs.cache_dir() / "test-refs" / f"hf-greedy-{key}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    refs = _hf_generate(model_path, prompts, eos)
+    refs = hf_greedy(model_path, prompts, MAX_NEW, eos_token_id=eos)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(refs))
     tmp.replace(cache)
-    return refs
-
-
-def _hf_generate(model_path, prompts, eos) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    refs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            refs.append(out[0, len(ids):].tolist())
-    del hf
     return refs
 
 
