@@ -21,7 +21,7 @@ times so both sample the host's load alike (each timing: the best over all round
 ``--ttft`` instead measures time to first token on the default model, in one process: P/D (a prefill engine computes
 the prompt with ``max_tokens=1`` and hands it over through the connector; a decode engine loads it and computes the
 last token) vs one monolithic engine, at ``--ttft-lengths`` tokens (fresh random prompts: no prefix cache hits). It
-leaves out the router and HTTP hops (sub-millisecond next to these numbers, see benchmarks/router.py).
+leaves out the router and HTTP hops; ``benchmarks/pd_ttft.py`` measures the same through a real router and HTTP pods.
 
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
                                      [--dtypes float32,bfloat16] [--compare REF]
