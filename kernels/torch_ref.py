@@ -69,7 +69,7 @@ class DecodeGroup:
 
     rows: torch.Tensor    # (B,) their token rows in the batch
     tables: torch.Tensor  # (B, nb) int64 block ids, nb covering the longest
-    mask: torch.Tensor    # (B, 1, 1, nb * block_size) bool: slot < seq_len
+    pad: torch.Tensor     # (B, 1, nb * block_size) bool: slot >= seq_len (padding), built once for every layer
 
 
 @dataclass
@@ -98,17 +98,17 @@ def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, ma
         nb = -(-lens[0] // block_size)
         idx = torch.tensor(seqs, device=device)
         lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None]         # (B, L)
+        pad = torch.arange(nb * block_size, device=device)[None, :] >= lens_t[:, None]         # (B, L)
         decode_groups.append(DecodeGroup(
             rows=torch.tensor([starts[s] for s in seqs], device=device),
-            tables=meta.block_tables[idx, :nb].long(), mask=mask[:, None, None, :]))
+            tables=meta.block_tables[idx, :nb].long(), pad=pad[:, None, :]))
     prefills = [(s, starts[s], n, meta.seq_lens_cpu[s]) for s, n in enumerate(meta.query_lens_cpu) if n > 1]
     return StepPlan(decode_groups, prefills)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence over its padded context: q (B, H, D), k/v (B, L, Hkv, D), mask (B, 1, 1, L) bool
-    (True = a real slot) -> (B, H, D).
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its padded context: q (B, H, D), k/v (B, L, Hkv, D), pad (B, 1, L) bool
+    (True = a padding slot past the sequence's end) -> (B, H, D).
 
     Why not SDPA or a per-KV-head batched GEMM: with one query per head their kernels multiply tiny (G, D) x (D, L)
     tiles per (sequence, head) and run ~10x below the GEMM rate (measured: G = 3, D = 64, L = 256, bf16). Here the
@@ -123,7 +123,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     q_bd = q.new_zeros(b, num_kv_heads, group, num_kv_heads, head_dim)                # (B, H, Hkv, D), head h in block h // G
     q_bd.diagonal(dim1=1, dim2=3).copy_(q.view(b, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))  # (B, G, D, Hkv)
     s = torch.bmm(q_bd.view(b, num_heads, -1), k.view(b, seq, -1).transpose(1, 2))    # (B, H, L)
-    s = s.float().mul_(scale).masked_fill_(~mask.view(b, 1, seq), float("-inf"))
+    s = s.float().mul_(scale).masked_fill_(pad, float("-inf"))
     p = s.softmax(-1).to(q.dtype)                                                      # (B, H, L)
     o = torch.bmm(p, v.view(b, seq, -1))                                               # (B, H, Hkv * D)
     o = o.view(b, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # (B, G, D, Hkv): head j's own V
@@ -146,7 +146,7 @@ def paged_attention_ref(
     for dg in plan.decode_groups:
         k, v = gather_blocks(kv_layer, dg.tables)                           # 2 x (B, L, Hkv, D)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        out[dg.rows] = decode_attention(q[dg.rows], k, v, dg.mask, scale)
+        out[dg.rows] = decode_attention(q[dg.rows], k, v, dg.pad, scale)
     for s, lo, q_len, seq_len in plan.prefills:
         if new_kv is not None and seq_len == q_len and new_kv[0].dtype == kv_layer.dtype:
             k, v = new_kv[0][lo:lo + q_len], new_kv[1][lo:lo + q_len]

@@ -91,7 +91,8 @@ def test_decode_attention_matches_sdpa_over_padded_contexts():
     mask = (torch.arange(L)[None, :] < torch.tensor([20, 7, 13])[:, None])[:, None, None, :]   # (B, 1, 1, L)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.view(B, Hkv, H // Hkv, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
-    torch.testing.assert_close(decode_attention(q, k, v, mask, 0.3), want.reshape(B, H, D), atol=1e-5, rtol=1e-5)
+    pad = ~mask.view(B, 1, L)                                                                   # True = padding
+    torch.testing.assert_close(decode_attention(q, k, v, pad, 0.3), want.reshape(B, H, D), atol=1e-5, rtol=1e-5)
 
 
 def _decode_reference(q, k, v, lens, scale):
@@ -115,11 +116,11 @@ def test_decode_attention_groups_queries_by_kv_head_and_masks_padding():
         q, k, v = torch.randn(B, H, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen), \
             torch.randn(B, L, Hkv, D, generator=gen)
         lens = [40, 33, 1, 17, 39]
-        mask = (torch.arange(L)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        pad = (torch.arange(L)[None, :] >= torch.tensor(lens)[:, None])[:, None, :]   # (B, 1, L)
         k[1, 33:] = 1e4                                # padding must not leak into a shorter sequence's softmax
         want = _decode_reference(q, k, v, lens, 0.25)
-        torch.testing.assert_close(decode_attention(q, k, v, mask, 0.25).double(), want, atol=1e-5, rtol=1e-5)
-        got16 = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)
+        torch.testing.assert_close(decode_attention(q, k, v, pad, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+        got16 = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pad, 0.25)
         assert got16.dtype == torch.bfloat16
         torch.testing.assert_close(got16.double(), want, atol=3e-2, rtol=3e-2)
 
