@@ -44,6 +44,8 @@ def test_pack_linears_replaces_dense_linears_and_ties_the_head():
     assert pack_linears(model, CPU, torch.bfloat16) == 3
     assert all(isinstance(m, PackedLinear) for m in (*model.proj, model.lm_head))
     assert torch.equal(model.proj(x), want) and torch.equal(model.lm_head(x), logits)
+    from pdserve.runtime.quantization import weight_bytes   # the packed weights still count: + the head's copy
+    assert weight_bytes(model) == 2 * (50 * 16 + 32 * 16 + 32 + 16 * 32 + 50 * 16)
     f32 = Tiny()
     assert pack_linears(f32, CPU, torch.float32) == 0 and type(f32.proj[0]) is nn.Linear and f32.lm_head is None
 
