@@ -70,6 +70,17 @@ class DecodeGroup:
     rows: torch.Tensor    # (B,) their token rows in the batch
     tables: torch.Tensor  # (B, nb) int64 block ids, nb covering the longest
     pad: torch.Tensor     # (B, 1, nb * block_size) bool: slot >= seq_len (padding), built once for every layer
+    _rows: tuple[int, int, torch.Tensor] | None = None   # (block_step, kv_step, row ids): the same for every layer
+
+    def gather(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`gather_blocks` of ``tables``, with the row ids computed once per step -> 2 x (B, L, Hkv, D)."""
+        rows, block_step, kv_step = block_rows(kv_layer)
+        if self._rows is None or self._rows[:2] != (block_step, kv_step):
+            idx = self.tables * block_step
+            self._rows = (block_step, kv_step, torch.stack((idx, idx + kv_step)).flatten())
+        kv = rows.index_select(0, self._rows[2])                            # (2 * B * nb, row)
+        kv = kv.view(2, self.tables.shape[0], -1, *kv_layer.shape[3:])      # (2, B, nb * bs, Hkv, D)
+        return kv[0], kv[1]
 
 
 @dataclass
@@ -144,9 +155,9 @@ def paged_attention_ref(
     plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
     out = torch.empty_like(q)
     for dg in plan.decode_groups:
-        k, v = gather_blocks(kv_layer, dg.tables)                           # 2 x (B, L, Hkv, D)
+        k, v = dg.gather(kv_layer)                                          # 2 x (B, L, Hkv, D)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        out[dg.rows] = decode_attention(q[dg.rows], k, v, dg.pad, scale)
+        out.index_copy_(0, dg.rows, decode_attention(q.index_select(0, dg.rows), k, v, dg.pad, scale))  # row copies
     for s, lo, q_len, seq_len in plan.prefills:
         if new_kv is not None and seq_len == q_len and new_kv[0].dtype == kv_layer.dtype:
             k, v = new_kv[0][lo:lo + q_len], new_kv[1][lo:lo + q_len]
