@@ -6,7 +6,8 @@ weights need. oneDNN's own linear over a weight reordered once at load (the op t
 graphs, ``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) reads the blocked layout directly: measured
 on an AVX512-BF16 core with the default model's shapes, all 30 layers' GEMMs at 4 / 8 / 32 rows take 0.4x / 0.6x /
 0.8x the time of ``F.linear``, and the same at 1 and 512 rows. In bf16 its output equals ``F.linear``'s bit for bit
-from 2 rows on (both are oneDNN GEMMs); at 1 row ``F.linear`` takes a GEMV path that rounds ~0.1% of outputs 1 ulp apart.
+from 2 rows on (both are oneDNN GEMMs); at 1 row ``F.linear`` takes a GEMV path that rounds ~0.1% of outputs 1 ulp
+apart.
 
 Only for 16-bit activations: in float32 oneDNN's kernel sums in another order than MKL's sgemm, and float32 output must
 stay token-for-token equal to transformers. ``pack_linears`` is the one entry point; nothing else needs to know.
@@ -44,7 +45,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        self.opaque_weight_bytes = weight.nbytes   # for runtime.quantization.weight_bytes: the packed tensor has no storage
+        self.opaque_weight_bytes = weight.nbytes   # for quantization.weight_bytes: the packed tensor has no storage
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

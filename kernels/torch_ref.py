@@ -131,13 +131,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     b, num_heads, head_dim = q.shape
     seq, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    q_bd = q.new_zeros(b, num_kv_heads, group, num_kv_heads, head_dim)                # (B, H, Hkv, D), head h in block h // G
+    q_bd = q.new_zeros(b, num_kv_heads, group, num_kv_heads, head_dim)   # (B, H, Hkv, D): head h in block h // G
     q_bd.diagonal(dim1=1, dim2=3).copy_(q.view(b, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))  # (B, G, D, Hkv)
     s = torch.bmm(q_bd.view(b, num_heads, -1), k.view(b, seq, -1).transpose(1, 2))    # (B, H, L)
     s = s.float().mul_(scale).masked_fill_(pad, float("-inf"))
     p = s.softmax(-1).to(q.dtype)                                                      # (B, H, L)
     o = torch.bmm(p, v.view(b, seq, -1))                                               # (B, H, Hkv * D)
-    o = o.view(b, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # (B, G, D, Hkv): head j's own V
+    o = o.view(b, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # (B, G, D, Hkv): own V
     return o.permute(0, 3, 1, 2).reshape(b, num_heads, head_dim)
 
 

@@ -1,6 +1,7 @@
 """bf16 dense linears on CPU run oneDNN's packed kernel (kernels/packed_linear.py): bit-equal to ``F.linear`` per
-layer from 2 rows on (at 1 row ``F.linear`` takes a GEMV path that rounds a few outputs differently), and the engine's greedy output with it equals the ``F.linear`` engine's (the issue's bar: the same top-1 token on
->= 99% of positions; bit-equality makes it 100% here). float32 is never packed (exact transformers parity)."""
+layer from 2 rows on (at 1 row ``F.linear`` takes a GEMV path that rounds a few outputs differently), and the
+engine's greedy output with it equals the ``F.linear`` engine's (the issue's bar: the same top-1 token on >= 99% of
+positions; bit-equality makes it 100% here). float32 is never packed (exact transformers parity)."""
 
 from __future__ import annotations
 
