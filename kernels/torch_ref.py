@@ -65,7 +65,7 @@ def context_slots(meta: AttentionMetadata, block_size: int, total: int) -> tuple
 
 @dataclass
 class DecodeGroup:
-    """Decode sequences of similar length, attended in one padded SDPA call."""
+    """Decode sequences of similar length, attended in one padded pair of block-diagonal GEMMs."""
 
     rows: torch.Tensor    # (B,) their token rows in the batch
     tables: torch.Tensor  # (B, nb) int64 block ids, nb covering the longest
