@@ -56,3 +56,9 @@ def allow_runtime_lora_updating() -> bool:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as in vLLM."""
     value = os.environ.get("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cpu_packed_gemm() -> bool:
+    """Whether bf16/fp16 dense linears on CPU run oneDNN's packed kernel (PDSERVE_CPU_PACKED_GEMM, default on; ``0``
+    falls back to ``F.linear``, e.g. to compare the two: kernels/packed_linear.py)."""
+    return os.environ.get("PDSERVE_CPU_PACKED_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
