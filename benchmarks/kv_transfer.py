@@ -21,7 +21,7 @@ times so both sample the host's load alike (each timing: the best over all round
 ``--ttft`` instead measures time to first token on the default model, in one process: P/D (a prefill engine computes
 the prompt with ``max_tokens=1`` and hands it over through the connector; a decode engine loads it and computes the
 last token) vs one monolithic engine, at ``--ttft-lengths`` tokens (fresh random prompts: no prefix cache hits). It
-leaves out the router and HTTP hops (sub-millisecond next to these numbers, see benchmarks/router.py).
+leaves out the router and HTTP hops; ``benchmarks/pd_ttft.py`` measures the same through a real router and HTTP pods.
 
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
                                      [--dtypes float32,bfloat16] [--compare REF]
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +66,13 @@ def _use_kv_code(ref: str) -> None:
 if "--kv-code" in sys.argv:
     _use_kv_code(sys.argv[sys.argv.index("--kv-code") + 1])
 
-from pdserve.kv_connectors.base import KVCacheSpec, create_connector  # noqa: E402
-from pdserve.runtime.block_hash import hash_token_blocks  # noqa: E402
+from pdserve.kv_connectors.base import KVCacheSpec, PromptRequest, create_connector  # noqa: E402
 
 BLOCK, PROMPT_TOKENS = 16, 2049
 NUM_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK          # 128 blocks move
 
 
-@dataclass
-class Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    block_hashes: list[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK)
+Req = partial(PromptRequest, block_size=BLOCK)
 
 
 def spec_for(dtype: str) -> KVCacheSpec:

@@ -67,10 +67,46 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter new K/V into the cache at ``slot_mapping`` (shared by backends without a fused write)."""
-        block_size = kv_layer.shape[2]
+        rows = kv_token_rows(kv_layer)
+        if rows is not None:
+            write_kv_rows(k, v, rows, kv_write_rows(kv_layer, slot_mapping))
+            return
+        block_size = kv_layer.shape[2]   # any other strides: advanced-index assignment, still correct
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
         kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)
+
+
+def kv_token_rows(kv_layer: torch.Tensor) -> torch.Tensor | None:
+    """The layer's cache as rows of one token's (Hkv * D) keys or values -> (R, Hkv * D), a view: the K of slot
+    ``b * bs + o`` is row ``b * s0 + o`` and its V row ``b * s0 + s1``, with ``s0, s1`` the layer's block and K/V
+    strides in rows (see :func:`kv_write_rows`). None when the strides do not allow such a view."""
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    row = num_kv_heads * head_dim
+    s0, s1, s2 = kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2)
+    if not (kv_layer[0, 0, 0].is_contiguous() and s2 == row and s0 % row == 0 and s1 % row == 0):
+        return None
+    num_rows = (num_blocks - 1) * (s0 // row) + s1 // row + block_size
+    return kv_layer.as_strided((num_rows, row), (row, 1), kv_layer.storage_offset())
+
+
+def kv_write_rows(kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The rows of :func:`kv_token_rows` that take the K then the V of every slot in ``slot_mapping`` -> (2T,) int64.
+    They depend only on the layout, not on the layer: a caller may compute them once per step for every layer.
+
+    Why: one ``index_copy_`` into the 2-D row view writes K and V of all tokens (whole-row copies), where advanced-index
+    assignment into the 5-D strided layer view costs two slower scatters per layer.
+    """
+    block_size, row = kv_layer.shape[2], kv_layer.shape[3] * kv_layer.shape[4]
+    block_step, kv_step = kv_layer.stride(0) // row, kv_layer.stride(1) // row
+    k_idx = torch.div(slot_mapping, block_size, rounding_mode="floor") * block_step + slot_mapping % block_size
+    return torch.cat((k_idx, k_idx + kv_step))
+
+
+def write_kv_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> None:
+    """``rows[idx] = [k; v]`` in one op: k/v (T, Hkv, D), ``rows`` from :func:`kv_token_rows`, ``idx`` from
+    :func:`kv_write_rows`."""
+    rows.index_copy_(0, idx, torch.cat((k, v)).view(len(idx), -1).to(rows.dtype))
 
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}

@@ -17,9 +17,14 @@ both in one process, so one object implements both halves; the engine calls them
                   bad = get_block_ids_with_load_errors()  -> the scheduler cuts each affected request back to its first
                   bad block (recompute) or fails it (policy "fail"); bad blocks never enter the prefix cache
                   then, for each request that ran: request_scheduled_for_save(req, block_ids, num_computed_tokens)
-    finish:       delay_free, params = request_finished(req, block_ids)
+    finish:       delay_free, params, pending = start_request_finished(req, block_ids)
                   delay_free -> blocks stay allocated until get_finished() lists the request in `sending`
                   params     -> returned to the client as `kv_transfer_params` (the P/D handoff, anchors.md §1)
+                  pending    -> the handoff's blocking part (a store write, checksums) runs on the connector's own
+                  thread under a deadline (params None, delay_free True); the engine holds the response until
+                  get_finished_handoffs() returns its params (at the latest at the deadline: then the params of a
+                  failed handoff, which make the decode side recompute what it cannot find)
+                  (request_finished(req, block_ids) is the same call waiting for the params: tests, tools)
 
 Ownership: the engine owns the cache tensor and every block id; a connector never frees or allocates blocks, it only
 reads blocks it was told to save and writes blocks it was told to load. A load that fails in any way (missing, corrupt,
@@ -75,6 +80,24 @@ class ConnectorRequest(Protocol):
 
 
 @dataclass
+class PromptRequest:
+    """A ``ConnectorRequest`` without an engine, for tools that drive a connector directly (benchmarks, tests): the
+    prompt's block hashes are computed here, as the engine computes them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    block_size: int = 16
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from pdserve.runtime.block_hash import hash_token_blocks
+
+        self.block_hashes = hash_token_blocks(self.prompt_token_ids, self.block_size, self.cache_salt)
+
+
+@dataclass
 class KVConnectorMetadata:
     """What the scheduler decided this step; built by the scheduler half, consumed by the worker half."""
 
@@ -106,6 +129,17 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request finished: (keep its blocks until get_finished() says sent, kv_transfer_params for the response)."""
+
+    def start_request_finished(self, request: ConnectorRequest,
+                               block_ids: list[int]) -> tuple[bool, dict[str, Any] | None, bool]:
+        """``request_finished`` without blocking the engine thread: (delay_free, params, pending); see the module
+        docstring. Default: ``request_finished``, never pending."""
+        delay, params = self.request_finished(request, block_ids)
+        return delay, params, False
+
+    def get_finished_handoffs(self) -> dict[str, dict[str, Any]]:
+        """Request id -> params of each pending handoff that settled since the last call (each reported once)."""
+        return {}
 
     def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int], num_computed_tokens: int) -> None:
         """Optional: called after each step a request ran, with its blocks and how many tokens are now computed."""

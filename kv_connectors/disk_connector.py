@@ -20,7 +20,8 @@ from typing import Any
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import register_connector
 from pdserve.kv_connectors.load_errors import CorruptBlock, KVLoadError, MissingBlock, TruncatedBlock, logger
-from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
+from pdserve.kv_connectors.block_store import BlockStore
+from pdserve.kv_connectors.store_connector import StoreConnector
 
 
 class DiskStore(BlockStore):

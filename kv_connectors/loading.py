@@ -27,6 +27,7 @@ import torch
 from pdserve.kv_connectors import kv_auth
 from pdserve.kv_connectors.block_codec import tensor_bytes
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, KVConnectorBase, KVConnectorMetadata
+from pdserve.kv_connectors.handoff import HandoffJobs
 from pdserve.kv_connectors.load_errors import ConnectorStats, KVLoadError, LoadTimeout, logger
 
 
@@ -46,6 +47,7 @@ class LoadingConnector(KVConnectorBase):
     """Shared scheduler/worker bookkeeping for loads. Config: ``async_load`` (default true), ``load_timeout_s``."""
 
     name = "loading"
+    verify_checksums = True   # every loaded block is checked against its checksum (NIXL: a config switch)
 
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
         super().__init__(role, config, spec)
@@ -73,6 +75,7 @@ class LoadingConnector(KVConnectorBase):
         self._sending_done: set[str] = set()
         self._bad_blocks: set[int] = set()
         self._pool = ThreadPoolExecutor(int(config.get("load_threads", 2)), thread_name_prefix=f"pdserve-{self.name}")
+        self.handoffs = HandoffJobs(self.name)
 
     # ---- subclass hooks ---------------------------------------------------------------------------------------------
     def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes],
@@ -90,8 +93,10 @@ class LoadingConnector(KVConnectorBase):
         load's own timeouts, so that it only catches a load stuck where no timeout applies."""
         return self.load_timeout_s * 2 + 1.0
 
-    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return False, None
+    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None, bool]:
+        """(delay_free, params, pending) of a finished request no load still writes (see base.start_request_finished);
+        a pending handoff is started on ``self.handoffs``."""
+        return False, None, False
 
     def _trusted_params(self, request: ConnectorRequest) -> dict[str, Any] | None:
         """The request's ``kv_transfer_params`` if they direct a load (``do_remote_prefill``) and carry a valid, unexpired
@@ -150,7 +155,8 @@ class LoadingConnector(KVConnectorBase):
         self._allocated.clear()
         return meta
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def start_request_finished(self, request: ConnectorRequest,
+                               block_ids: list[int]) -> tuple[bool, dict[str, Any] | None, bool]:
         rid = request.request_id
         self._claims.pop(rid, None)
         self._allocated.pop(rid, None)
@@ -158,8 +164,20 @@ class LoadingConnector(KVConnectorBase):
         with self._lock:
             if rid in self._running:   # the load thread may still write into these blocks: keep them until it is done
                 self._free_after_load.add(rid)
-                return True, None
+                return True, None, False
         return self._on_request_finished(request, block_ids)
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, params, pending = self.start_request_finished(request, block_ids)
+        return delay, self.handoffs.wait(request.request_id) if pending else params
+
+    def get_finished_handoffs(self) -> dict[str, dict[str, Any]]:
+        return self.handoffs.take_finished()
+
+    def _freed(self, request_id: str) -> None:
+        """``request_id``'s held blocks may be freed (reported by the next ``get_finished``)."""
+        with self._lock:
+            self._sending_done.add(request_id)
 
     # ---- worker side ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
@@ -217,7 +235,7 @@ class LoadingConnector(KVConnectorBase):
         if job.record is not None:   # read by tracing when the request finishes (pdserve.tracing)
             job.record.update(connector=self.name, start=job.started, end=end, blocks=len(job.blocks),
                               bytes=ok * self.spec.block_bytes, failed_blocks=len(errors),
-                              errors=sorted(by_kind), verified=bool(getattr(self, "verify_checksums", False)))
+                              errors=sorted(by_kind), verified=self.verify_checksums)
 
     def _write_block(self, job: LoadJob, block_id: int, payload: memoryview) -> None:
         """Copy a verified block's bytes into the cache unless the job was cancelled (its blocks may belong to others
@@ -258,3 +276,4 @@ class LoadingConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.handoffs.shutdown()

@@ -7,29 +7,21 @@ Prefill (role prefill/both) - ``request_finished`` of a request with ``do_remote
 signed ``checksum_algo``: xxHash3 on CPU caches, the vectorized SUM64 on accelerators; see
 :func:`block_codec.block_checksums`).
 Checksums are computed off the engine thread as the engine reports blocks computed (``request_scheduled_for_save``: a
-chunked prefill's earlier blocks are hashed while later chunks compute), so the handoff only hashes its last blocks.
+chunked prefill's earlier blocks are hashed while later chunks compute); the handoff hashes its last blocks on the
+handoff thread (:mod:`handoff`), and the engine holds the response until the params (and the lease) are ready, or
+``handoff_timeout_s`` passes: then the params list no blocks and the decode side computes the prompt itself.
 An authenticated side channel (:mod:`side_channel`) on ``host:port`` serves ``meta`` (agent metadata, fingerprint,
 cache address), ``heartbeat`` (extends a live lease) and ``done`` (releases the lease if it is alive and held exactly
 the blocks and hashes the reader read). Blocks are freed (``get_finished`` sending) only when a lease is done or
 expired.
 The params are signed with the deployment's secret and expire with the lease (:mod:`kv_auth`).
 
-Decode - a request with ``do_remote_prefill`` params whose signature checks out (anything else is ignored before any
-connection: no client can make a decode pod dial an address it names) and a lease claims the listed blocks that match
-its own prompt beyond its local prefix hits and loads them in a background thread: handshake (mutually authenticated,
-bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call fails is dropped and
-re-handshaken next time), fingerprint check before any transfer, the READ in chunks of ``chunk_blocks`` blocks
-with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive while a long one runs), each
-chunk's checksums verified by the hash threads as soon as it lands while later chunks still move, then ``done``: only
-a lease still valid after the read proves the prefill blocks were never freed and reused during it, so an expired
-lease fails the load (``lease_expired``) instead of returning wrong tokens, and params edited to point elsewhere fail
-it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the request's prefix back to its
-first bad block and recomputes from there); a READ that fails (peer gone) fails the whole load. ``verify_checksums``:
-default on.
+Decode - the READ side: :mod:`nixl_reader`.
 
 Config: ``host`` ("127.0.0.1"), ``port`` (0: any free port), ``advertise_host`` (host; this host's address when host
 is 0.0.0.0), ``token`` (else PDSERVE_KV_TOKEN), ``lease_s`` (30), ``handshake_timeout_s`` (5), ``load_timeout_s``
-(10), ``verify_checksums`` (true), ``chunk_blocks`` (16), ``max_inflight`` (4), ``backends`` (["UCX"]), ``engine_id``,
+(10), ``handoff_timeout_s`` (30), ``verify_checksums`` (true), ``chunk_blocks`` (16), ``max_inflight`` (4),
+``backends`` (["UCX"]), ``engine_id``,
 ``progress_interval_s`` (0.001), ``progress_grace_s`` (10), ``max_side_channel_connections`` (32), ``ucx_net_devices``
 (default: the interface of ``host``, so UCX listens only there; see :mod:`ucx_bind`), ``insecure`` (no secret: nothing
 signed or checked).
@@ -46,10 +38,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,25 +51,14 @@ except ImportError:  # the PyPI wheel for CUDA 12 installs the same API as nixl_
 
 from pdserve.kv_connectors import block_codec, kv_auth, side_channel, ucx_bind
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec, register_connector
-from pdserve.kv_connectors.block_codec import ALGO_CRC32, ALGOS, block_checksums, default_algo
-from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LeaseExpired,
-                                               LoadTimeout, PeerUnreachable, logger)
+from pdserve.kv_connectors.block_codec import block_checksums, default_algo
+from pdserve.kv_connectors.load_errors import logger
 from pdserve.kv_connectors.leases import LeaseTable
-from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
-
-
-@dataclass
-class Peer:
-    host: str
-    port: int
-    engine_id: str
-    agent_name: str
-    descs: Any   # prepped remote descriptor list, one descriptor per remote block
-    num_blocks: int
+from pdserve.kv_connectors.nixl_reader import NixlReader
 
 
 @register_connector("nixl")
-class NixlConnector(LoadingConnector):
+class NixlConnector(NixlReader):
     name = "nixl"
 
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
@@ -97,8 +76,7 @@ class NixlConnector(LoadingConnector):
         self.leases = LeaseTable(float(config.get("lease_s", 30.0)))
         self.handshake_timeout_s = float(config.get("handshake_timeout_s", 5.0))
         self.verify_checksums = bool(config.get("verify_checksums", True))
-        self.chunk_blocks = max(1, int(config.get("chunk_blocks", 16)))
-        self.max_inflight = max(1, int(config.get("max_inflight", 4)))
+        self.handoff_timeout_s = float(config.get("handoff_timeout_s", 30.0))
         self._hashing: dict[str, tuple[int, list[tuple[list[int], Future]]]] = {}   # rid -> (hashed upto, chunks)
         self.backends = list(config.get("backends", ["UCX"]))
         self.progress_interval_s = float(config.get("progress_interval_s", 0.001))
@@ -106,7 +84,6 @@ class NixlConnector(LoadingConnector):
         self.agent: Any = None
         self.server: side_channel.SideChannelServer | None = None
         self._closing = threading.Event()
-        self._peers: dict[tuple[str, int], Peer] = {}
 
     # ---- registration ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
@@ -183,207 +160,63 @@ class NixlConnector(LoadingConnector):
             chunks.append((ids, fut))
         self._hashing[request.request_id] = (max(n, upto), chunks)
 
-    def _handoff_checksums(self, request_id: str, ids: list[int]) -> list[int]:
-        """Checksums of blocks ``ids``: those hashed in the background as they completed, the rest now."""
-        _, chunks = self._hashing.pop(request_id, (0, []))
+    def _handoff_checksums(self, chunks: list[tuple[list[int], Future]], ids: list[int]) -> list[int]:
+        """Checksums of blocks ``ids`` (on the handoff thread): those hashed in the background as they completed, the
+        rest now."""
         out: list[int] = []
         deadline = time.monotonic() + self.handshake_timeout_s
         for chunk_ids, fut in chunks:
             if ids[len(out):len(out) + len(chunk_ids)] != chunk_ids:
                 break
-            try:   # a stalled hashing pool must not hold the engine thread: hash the rest here instead
+            try:   # a stalled hashing pool: hash the rest here instead
                 out += fut.result(max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 break
         return out + block_checksums(self.kv_cache, ids[len(out):], self.checksum_algo)
 
-    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params or {}
+    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None, bool]:
+        rid, params = request.request_id, request.kv_transfer_params or {}
+        _, chunks = self._hashing.pop(rid, (0, []))
         if not params.get("do_remote_decode") or self.server is None:
-            self._hashing.pop(request.request_id, None)
-            return False, None
+            return False, None, False
         n = min(len(request.block_hashes), len(block_ids))
         ids = list(block_ids[:n])
         out = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-               "remote_block_ids": ids, "remote_request_id": request.request_id,
+               "remote_block_ids": ids, "remote_request_id": rid,
                "remote_host": self.advertise_host, "remote_port": self.port, "tp_size": 1, "connector": self.name,
                "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
                **kv_auth.lora_identity(request)}
         if not ids:
-            self._hashing.pop(request.request_id, None)
-            return False, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
-        if self.verify_checksums:   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
-            out["checksum_algo"] = self.checksum_algo
-            out["block_checksums"] = [f"{c:x}" for c in self._handoff_checksums(request.request_id, ids)]
-        out["lease_id"] = self.leases.grant(request.request_id, ids, out["block_hashes"])
-        out["lease_ms"] = int(self.leases.lease_s * 1000)
-        return True, kv_auth.sign_params(out, self.secret, self.leases.lease_s)
+            return False, kv_auth.sign_params(out, self.secret, self.leases.lease_s), False
+
+        def publish(sums: list[int] | None) -> dict:   # the lease starts only once the params are valid
+            if sums is not None:   # hex strings: JSON routers copy these params, and may not keep 64-bit ints exact
+                out["checksum_algo"] = self.checksum_algo
+                out["block_checksums"] = [f"{c:x}" for c in sums]
+            out["lease_id"] = self.leases.grant(rid, ids, out["block_hashes"])
+            out["lease_ms"] = int(self.leases.lease_s * 1000)
+            return kv_auth.sign_params(out, self.secret, self.leases.lease_s)
+
+        if not self.verify_checksums:
+            return True, publish(None), False
+
+        def fallback() -> dict:   # no lease, nothing to read: the decode side computes the prompt itself
+            logger.warning("nixl: handoff of %s not ready within %.1fs: the decode side recomputes it", rid,
+                           self.handoff_timeout_s)
+            self.stats.add("kv_handoffs_failed")
+            return kv_auth.sign_params({**out, "remote_block_ids": [], "block_hashes": []}, self.secret,
+                                       self.leases.lease_s)
+
+        # The checksums run on the handoff thread; the blocks stay held (delay_free) until the lease (published) or
+        # the work (fallback) lets them go.
+        self.handoffs.start(rid, self.handoff_timeout_s, lambda: self._handoff_checksums(chunks, ids), publish,
+                            fallback, lambda published: None if published else self._freed(rid))
+        return True, None, True
 
     def _finished_sending(self) -> set[str]:
         freed = self.leases.reap()
         self.stats.add("kv_leases_released", len(freed))
         return freed
-
-    # ---- decode side -----------------------------------------------------------------------------------------------
-    def _num_loadable(self, request: ConnectorRequest, start: int, hashes: list[bytes],
-                      params: dict[str, Any] | None) -> int:
-        p = params or {}
-        if not (p.get("do_remote_prefill") and p.get("remote_host") and p.get("remote_port") and p.get("lease_id")):
-            return 0   # without a lease nothing proves what the remote blocks hold
-        remote = p.get("block_hashes") or []
-        limit = min(len(hashes), len(remote), len(p.get("remote_block_ids") or []))
-        n = 0
-        while start + n < limit and remote[start + n] == hashes[start + n].hex():
-            n += 1
-        return n
-
-    def _call(self, peer: Peer, op: str, body: dict) -> dict:
-        try:
-            return side_channel.call(peer.host, peer.port, self.token, op, body, self.handshake_timeout_s,
-                                     client_id=self.engine_id, server_engine_id=peer.engine_id)
-        except KVLoadError:
-            self._drop_peer(peer)
-            raise
-
-    def _peer(self, host: str, port: int, engine_id: str | None) -> Peer:
-        peer = self._peers.get((host, port))
-        if peer and (engine_id is None or peer.engine_id == engine_id):
-            return peer
-        if peer:                      # another engine answers there now: the old one is gone
-            self._drop_peer(peer)
-        meta = side_channel.call(host, port, self.token, "meta", {}, self.handshake_timeout_s,
-                                 client_id=self.engine_id, server_engine_id=engine_id)
-        if meta["fingerprint"] != self.fingerprint:
-            raise FingerprintMismatch(f"peer {host}:{port} has fingerprint {meta['fingerprint']}, ours is "
-                                      f"{self.fingerprint}")
-        if engine_id is not None and meta["engine_id"] != engine_id:
-            raise PeerUnreachable(f"engine {engine_id} is gone ({host}:{port} is now {meta['engine_id']})")
-        name = self.agent.add_remote_agent(meta["agent_metadata"])
-        name = name.decode() if isinstance(name, bytes) else name
-        descs = self.agent.prep_xfer_dlist(name, [(meta["base_addr"] + i * meta["block_bytes"], meta["block_bytes"],
-                                                   meta["device_id"]) for i in range(meta["num_blocks"])],
-                                           meta["mem_type"])
-        peer = Peer(host, port, meta["engine_id"], name, descs, int(meta["num_blocks"]))
-        self._peers[(host, port)] = peer
-        self.stats.add("kv_peer_handshakes")
-        return peer
-
-    def _drop_peer(self, peer: Peer) -> None:
-        if self._peers.get((peer.host, peer.port)) is not peer:
-            return
-        del self._peers[(peer.host, peer.port)]
-        self.stats.add("kv_peers_dropped")
-        try:
-            peer.descs.release()
-            self.agent.remove_remote_agent(peer.agent_name)
-        except Exception as e:  # the agent may already consider it gone
-            logger.debug("nixl: dropping peer %s: %r", peer.agent_name, e)
-
-    def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
-        p = job.params or {}
-        if p.get("fingerprint") != self.fingerprint:
-            raise FingerprintMismatch(f"prefill fingerprint {p.get('fingerprint')} != ours {self.fingerprint}")
-        peer = self._peer(str(p["remote_host"]), int(p["remote_port"]), p.get("remote_engine_id"))
-        lease_id = p.get("lease_id")   # no heartbeat first: "done" after the read decides, and costs one round trip
-        local = [b for _, b, _ in job.blocks]
-        remote = [int(p["remote_block_ids"][i]) for i, _, _ in job.blocks]
-        if any(not 0 <= r < peer.num_blocks for r in remote):
-            raise CorruptBlock(f"remote block ids out of range for {peer.agent_name}")
-        sums = p.get("block_checksums") if self.verify_checksums else None
-        algo = int(p.get("checksum_algo", ALGO_CRC32))
-        if sums is not None and (algo not in ALGOS or len(sums) < max(i for i, _, _ in job.blocks) + 1):
-            raise CorruptBlock(f"checksums of {p.get('remote_request_id')} are unusable (algorithm {algo})")
-        checks: list[tuple[int, int, Future]] = []   # (start, end, checksums of local[start:end])
-
-        def verify_chunk(start: int, end: int) -> None:   # a chunk landed: hash it while later chunks move
-            if sums is not None:
-                checks.append((start, end, block_codec.hash_pool().submit(
-                    block_checksums, self.kv_cache, local[start:end], algo)))
-
-        try:
-            self._read(job, peer, local, remote, lease_id, on_chunk=verify_chunk)
-        finally:
-            for _, _, fut in checks:   # no hash may still read the blocks once this load ends
-                fut.exception()
-        read = [[i, r, h.hex()] for (i, _, h), r in zip(job.blocks, remote)]
-        verdict = self._call(peer, "done", {"lease_id": lease_id, "blocks": read}).get("verdict")
-        if verdict == "mismatch":
-            raise CorruptBlock(f"prefill says the params of {p.get('remote_request_id')} do not match its lease")
-        if verdict != "valid":
-            raise LeaseExpired(f"lease of {p.get('remote_request_id')} expired before the read completed")
-        errors: dict[int, KVLoadError] = {}
-        if sums is None:
-            return errors
-        covered = sum(e - s for s, e, _ in checks)
-        if covered != len(local):   # a _read that reported no chunks (tests wrap it): verify everything now
-            checks = [(0, len(local), block_codec.hash_pool().submit(block_checksums, self.kv_cache, local, algo))]
-        for start, end, fut in checks:
-            try:
-                sums_got = fut.result(self.load_timeout_s)
-            except FutureTimeout:
-                raise LoadTimeout(f"checksums of {end - start} blocks not done in time") from None
-            for (i, b, _), got in zip(job.blocks[start:end], sums_got):
-                if f"{got:x}" != sums[i]:
-                    errors[b] = CorruptBlock(f"block {i} checksum differs from the prefill's at handoff")
-        return errors
-
-    def _read(self, job: LoadJob, peer: Peer, local: list[int], remote: list[int], lease_id: str | None,
-              on_chunk: Callable[[int, int], None] | None = None) -> None:
-        """READ ``remote`` blocks into ``local`` ones in chunks, ``max_inflight`` at a time, calling ``on_chunk(start,
-        end)`` as each chunk lands (in order of completion)."""
-        with self._lock:
-            if job.cancelled:
-                raise LoadTimeout("load cancelled after its deadline")
-        todo = [(s, min(s + self.chunk_blocks, len(local))) for s in range(0, len(local), self.chunk_blocks)]
-        todo.reverse()
-        inflight: list[tuple[int, int, Any]] = []
-        try:
-            deadline = time.monotonic() + self.load_timeout_s
-            next_beat = time.monotonic() + self.leases.lease_s / 3
-            while todo or inflight:
-                while todo and len(inflight) < self.max_inflight:
-                    start, end = todo.pop()
-                    handle = self.agent.make_prepped_xfer("READ", self._local_descs, local[start:end], peer.descs,
-                                                          remote[start:end])
-                    inflight.append((start, end, handle))
-                    if self.agent.transfer(handle) not in ("PROC", "DONE"):
-                        raise PeerUnreachable(f"NIXL READ from {peer.agent_name} could not start")
-                for item in list(inflight):
-                    state = self.agent.check_xfer_state(item[2])
-                    if state == "DONE":
-                        inflight.remove(item)
-                        item[2].release()
-                        if on_chunk is not None:
-                            on_chunk(item[0], item[1])
-                    elif state != "PROC":
-                        raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed ({state})")
-                if not inflight and not todo:
-                    break
-                now = time.monotonic()
-                if job.cancelled:
-                    raise LoadTimeout("load cancelled by the watchdog")
-                if now > deadline:
-                    raise LoadTimeout(f"NIXL READ of {len(local)} blocks not done within {self.load_timeout_s}s")
-                if lease_id and now > next_beat:   # a long transfer keeps its lease alive
-                    self._call(peer, "heartbeat", {"lease_id": lease_id})
-                    next_beat = now + self.leases.lease_s / 3
-                time.sleep(0.0002)
-        except KVLoadError:
-            self._drop_peer(peer)
-            raise
-        except Exception as e:   # NIXL raises e.g. nixlRemoteDisconnectError for a peer that died
-            self._drop_peer(peer)
-            raise PeerUnreachable(f"NIXL READ from {peer.agent_name} failed: {e!r}") from e
-        finally:
-            for _, _, handle in inflight:
-                try:
-                    handle.release()   # aborts a transfer still in flight
-                except Exception as e:
-                    logger.warning("nixl: releasing a transfer handle failed: %r", e)
-
-    def _watchdog_s(self) -> float:
-        # handshake + READ (heartbeats during it are bounded by the READ deadline's loop) + done, with slack
-        return self.load_timeout_s + 3 * self.handshake_timeout_s + 5.0
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "kv_leases_active": len(self.leases), "kv_leases_expired": self.leases.num_expired}

@@ -22,7 +22,8 @@ from redis.retry import Retry
 
 from pdserve.kv_connectors.base import register_connector
 from pdserve.kv_connectors.load_errors import KVLoadError, LoadTimeout, PeerUnreachable
-from pdserve.kv_connectors.store_connector import BlockStore, StoreConnector
+from pdserve.kv_connectors.block_store import BlockStore
+from pdserve.kv_connectors.store_connector import StoreConnector
 
 
 _CHUNK = 32

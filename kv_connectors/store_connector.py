@@ -3,16 +3,10 @@
 Blocks are stored under their chained block hash (namespaced by the cache fingerprint, so engines with different
 models or dtypes sharing one store never see each other's blocks) as :mod:`block_codec` records.
 
-* Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
-  (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background thread
-  (a handoff's blocks on CPU without the snapshot: its ``request_finished`` waits for those writes, and should that
-  wait time out, keeps the blocks allocated (delay_free) until the writer is done with them).
-  A prefill request with ``do_remote_decode`` is written synchronously before its ``kv_transfer_params`` are returned,
-  so the decode side finds every block. A store that fails is skipped for ``retry_after_s`` (counted, never fatal).
-* The engine thread never waits on the store unbounded: its store calls (the admission lookup, a handoff's presence
-  check and write) run on an I/O thread and are waited for at most ``lookup_timeout_s`` / ``handoff_timeout_s`` (one
-  deadline for the whole handoff, queued-writes flush included), so a hung disk or an unanswered socket is a store
-  failure, not a stalled engine.
+* Saving and the prefill handoff: :mod:`store_saving` (the handoff's write runs on the connector's handoff thread;
+  the engine holds the response until it is done or ``handoff_timeout_s`` passes).
+* The engine thread never waits on the store unbounded: the admission lookup runs on an I/O thread and is waited for
+  at most ``lookup_timeout_s``, so a hung disk or an unanswered socket is a store failure, not a stalled engine.
 * Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
   by parallel threads; a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
   request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
@@ -24,82 +18,34 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from abc import ABC, abstractmethod
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import torch
-
-from pdserve.kv_connectors import block_codec, kv_auth
+from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
+from pdserve.kv_connectors.block_store import BlockStore
 from pdserve.kv_connectors.load_errors import (CorruptBlock, FingerprintMismatch, KVLoadError, LoadTimeout,
                                                MissingBlock, logger)
-from pdserve.kv_connectors.loading import LoadingConnector, LoadJob
+from pdserve.kv_connectors.loading import LoadJob
+from pdserve.kv_connectors.store_saving import StoreSaving
 
 
-class BlockStore(ABC):
-    """Bytes under block hashes. Implementations bound every call with a timeout."""
-
-    @abstractmethod
-    def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
-        """Store (block hash, header, payload) records."""
-
-    @abstractmethod
-    def get_many(self, hashes: list[bytes]) -> list[bytes | memoryview | None]:
-        """The stored records (None where absent). Raises KVLoadError when the store itself fails."""
-
-    @abstractmethod
-    def contains_many(self, hashes: list[bytes]) -> list[bool]:
-        ...
-
-    def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
-        """Optional single-copy read: the payload straight into ``dest``, returning the parsed (unverified) header.
-        Raises MissingBlock / TruncatedBlock / CorruptBlock."""
-        raise NotImplementedError
-
-    direct = False   # True when read_into is implemented
-
-    @abstractmethod
-    def delete_many(self, hashes: list[bytes]) -> None:
-        """Remove records (absent ones are fine)."""
-
-    def close(self) -> None:
-        pass
-
-
-class StoreConnector(LoadingConnector):
+class StoreConnector(StoreSaving):
     """Config (besides the store's own): ``save`` (default true), ``load`` (default true), ``retry_after_s`` (5),
     ``fetch_chunk`` (32: records per round trip, the next chunk fetched while one is verified), ``read_threads`` (4:
     parallel block reads of stores with single-copy reads, i.e. disk),
-    ``handoff_timeout_s`` (30, the synchronous save of a prefill handoff), ``lookup_timeout_s`` (2, the admission
-    lookup), ``params_ttl_s`` (120, how long signed
-    handoff params stay valid), ``max_pending_save_bytes`` (256 MiB: block snapshots queued for the background writer
+    ``handoff_timeout_s`` (30, how long a prefill handoff's write may hold back its response), ``lookup_timeout_s``
+    (2, the admission lookup), ``params_ttl_s`` (120, how long signed handoff params stay valid),
+    ``max_pending_save_bytes`` (256 MiB: block snapshots queued for the background writer
     beyond this are skipped and counted as ``kv_saves_skipped``, so a slow store cannot grow memory without bound)."""
 
     def __init__(self, role: str, config: dict[str, Any], spec: KVCacheSpec) -> None:
         super().__init__(role, config, spec)
         self.store = self._make_store(config)
-        self.save_enabled = bool(config.get("save", True))
         self.load_enabled = bool(config.get("load", True))
-        self.retry_after_s = float(config.get("retry_after_s", 5.0))
-        self.handoff_timeout_s = float(config.get("handoff_timeout_s", 30.0))
         self.lookup_timeout_s = float(config.get("lookup_timeout_s", 2.0))
-        self.engine_id = str(config.get("engine_id") or uuid.uuid4())
-        self._saved_upto: dict[str, int] = {}
-        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes this process saved recently
-        self._known_cap = 65536
-        self._store_down_until = 0.0
-        self.params_ttl_s = float(config.get("params_ttl_s", 120.0))
-        self.max_pending_save_bytes = int(config.get("max_pending_save_bytes", 256 << 20))
-        self._pending_save_bytes = 0   # snapshots queued for (or being written by) the writer thread
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
-        self._known_lock = threading.Lock()
         self._tls = threading.local()
-        self._live_writes: dict[str, int] = {}    # request id -> queued writes reading its live (unsnapshotted) blocks
-        self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
         self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
         self._io = ThreadPoolExecutor(2, thread_name_prefix=f"pdserve-{self.name}-io")   # the engine thread's calls
@@ -200,98 +146,6 @@ class StoreConnector(LoadingConnector):
                 logger.warning("%s: could not delete %d damaged blocks: %s", self.name, len(bad), e)
         return errors
 
-    # ---- saving --------------------------------------------------------------------------------------------------
-    def request_scheduled_for_save(self, request: ConnectorRequest, block_ids: list[int], num_computed_tokens: int) -> None:
-        n = min(num_computed_tokens // self.spec.block_size, len(request.block_hashes), len(block_ids))
-        self._save_range(request, block_ids, n, sync=False)
-
-    def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params or {}
-        handoff = bool(params.get("do_remote_decode"))
-        n = min(len(request.block_hashes), len(block_ids))
-        if handoff:  # the decode side must find every block: let queued writes land, then write what is missing
-            deadline = time.monotonic() + self.handoff_timeout_s
-            try:
-                self.flush(self.handoff_timeout_s)
-            except Exception as e:  # a stuck writer: the decode side then reports missing blocks and recovers
-                logger.warning("%s: queued saves not done for %s: %r", self.name, request.request_id, e)
-            self._saved_upto.pop(request.request_id, None)
-            self._save_range(request, block_ids, n, sync=True, force=True, deadline=deadline)
-        else:
-            self._save_range(request, block_ids, n, sync=False)
-        self._saved_upto.pop(request.request_id, None)
-        if not handoff:
-            return False, None
-        with self._known_lock:   # a stuck writer still reading the live blocks: keep them until it is done
-            hold = request.request_id in self._live_writes
-            if hold:
-                self._held_for_writes.add(request.request_id)
-        return hold, kv_auth.sign_params({
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-            "remote_block_ids": list(block_ids[:n]), "remote_request_id": request.request_id,
-            "remote_host": None, "remote_port": None, "tp_size": 1, "connector": self.name,
-            "fingerprint": self.fingerprint, "block_hashes": [h.hex() for h in request.block_hashes[:n]],
-            **kv_auth.lora_identity(request),
-        }, self.secret, self.params_ttl_s)
-
-    def _save_range(self, request: ConnectorRequest, block_ids: list[int], upto: int, *, sync: bool,
-                    force: bool = False, deadline: float | None = None) -> None:
-        """Save blocks ``[saved so far, upto)``: queued for the writer, or (``sync``) written before returning, waited
-        for until ``deadline`` at most (a write still reading live blocks then keeps them: see ``_live_write``)."""
-        end = time.monotonic() + self.handoff_timeout_s if deadline is None else deadline
-
-        def left() -> float:
-            return max(0.0, end - time.monotonic())
-
-        start = self._saved_upto.get(request.request_id, 0)
-        self._saved_upto[request.request_id] = max(start, upto)
-        if not self.save_enabled or upto <= start or self.kv_cache is None:
-            return
-        hashes = request.block_hashes
-        with self._known_lock:
-            todo = [(hashes[i], block_ids[i]) for i in range(start, upto) if force or hashes[i] not in self._known]
-        if force and todo:
-            try:
-                present = self._bounded(self._io.submit(self.store.contains_many, [h for h, _ in todo]), left())
-                todo = [t for t, p in zip(todo, present) if not p]
-            except KVLoadError as e:
-                self._mark_down(e, "save")
-                return
-        if not todo:
-            return
-        if not force and time.monotonic() < self._store_down_until:
-            self.stats.add("kv_saves_skipped", len(todo))
-            return
-        if self.kv_cache.device.type == "cpu" and (sync or (request.kv_transfer_params or {}).get("do_remote_decode")):
-            # Written before the blocks can be freed, so the live blocks will do (no snapshot copy): a sync write is
-            # waited for, a handoff's request_finished waits for its queued writes (flush), both bounded; a write
-            # still reading the live blocks after that keeps them allocated (``_live_writes``, delay_free).
-            live = [self.kv_cache[b] for _, b in todo]
-            with self._known_lock:
-                self._live_writes[request.request_id] = self._live_writes.get(request.request_id, 0) + 1
-            fut = (self._io if sync else self._writer).submit(self._live_write, request.request_id,
-                                                              [h for h, _ in todo], live)
-            if sync:
-                self._wait_write(fut, left(), request.request_id, len(todo))
-            return
-        nbytes = len(todo) * self.spec.block_bytes
-        if not sync:
-            with self._known_lock:
-                full = self._pending_save_bytes > 0 and self._pending_save_bytes + nbytes > self.max_pending_save_bytes
-                if not full:
-                    self._pending_save_bytes += nbytes
-            if full:   # the writer is behind (slow store): drop these saves rather than queue memory without bound
-                self.stats.add("kv_saves_skipped", len(todo))
-                self.stats.add("kv_saves_dropped_queue_full", len(todo))
-                return
-        # One gather copy: the snapshot stays valid even if the engine reuses the blocks before the write.
-        snap = self.kv_cache[torch.tensor([b for _, b in todo])].cpu()
-        if sync:
-            self._wait_write(self._io.submit(self._write, request.request_id, [h for h, _ in todo], list(snap)),
-                             left(), request.request_id, len(todo))
-        else:
-            self._writer.submit(self._queued_write, nbytes, request.request_id, [h for h, _ in todo], list(snap))
-
     @staticmethod
     def _bounded(fut: Future, timeout: float) -> Any:
         """The result of a store call running on the I/O thread, waited for at most ``timeout`` (then LoadTimeout:
@@ -301,74 +155,9 @@ class StoreConnector(LoadingConnector):
         except FutureTimeout:
             raise LoadTimeout(f"store call did not return within {timeout:.1f}s") from None
 
-    def _wait_write(self, fut: Future, timeout: float, request_id: str, num_blocks: int) -> None:
-        try:
-            self._bounded(fut, timeout)
-        except LoadTimeout as e:   # the decode side then reports missing blocks and recomputes them
-            self.stats.add("kv_saves_skipped", num_blocks)
-            self._mark_down(e, f"save of request {request_id}")
-
-    def _live_write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
-        try:
-            self._write(request_id, hashes, blocks)
-        finally:
-            with self._known_lock:
-                left = self._live_writes.pop(request_id) - 1
-                if left:
-                    self._live_writes[request_id] = left
-                release = not left and request_id in self._held_for_writes
-                self._held_for_writes.discard(request_id)
-            if release:   # the request finished while this write read its blocks: they may be freed now
-                with self._lock:
-                    self._sending_done.add(request_id)
-
-    def _queued_write(self, nbytes: int, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
-        try:
-            self._write(request_id, hashes, blocks)
-        finally:
-            with self._known_lock:
-                self._pending_save_bytes -= nbytes
-
-    def _write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
-        items = []
-        for h, block in zip(hashes, blocks):
-            payload = block_codec.tensor_bytes(block)
-            items.append((h, block_codec.encode_header(block, self.fingerprint, h, payload), payload))
-        try:
-            self.store.put_many(items)
-        except KVLoadError as e:
-            self.stats.add("kv_saves_skipped", len(items))
-            self._mark_down(e, f"save of request {request_id}")
-            return
-        self._remember(hashes)
-        self.stats.add("kv_blocks_saved", len(items))
-        self.stats.add("kv_bytes_saved", len(items) * self.spec.block_bytes)
-
-    def _remember(self, hashes: list[bytes]) -> None:
-        with self._known_lock:
-            for h in hashes:
-                self._known[h] = None
-                self._known.move_to_end(h)
-            while len(self._known) > self._known_cap:
-                self._known.popitem(last=False)
-
-    def _mark_down(self, error: Exception, what: str) -> None:
-        self._store_down_until = time.monotonic() + self.retry_after_s
-        self.stats.add("kv_store_errors")
-        logger.warning("%s: %s failed (%s); skipping the store for %.0fs", self.name, what, error, self.retry_after_s)
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued save is written (tests, graceful shutdown)."""
-        self._writer.submit(lambda: None).result(timeout)
-
     def shutdown(self) -> None:
-        try:   # let queued saves land, but a hung store must not hang the shutdown
-            self.flush(self.handoff_timeout_s)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("%s: queued saves not written at shutdown: %r", self.name, e)
-        self._writer.shutdown(wait=False)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
         self._readers.shutdown(wait=False, cancel_futures=True)
-        super().shutdown()
+        super().shutdown()   # queued saves first (bounded)
         self.store.close()

@@ -1,8 +1,9 @@
 """LLMEngine: one step = schedule -> load (connector) -> forward -> sample -> save (connector) -> update -> postprocess.
 
 Single-threaded by contract: the server wraps it in one thread (pdserve.runtime.async_engine). Every call below is
-cheap except ``step()``. ``n > 1`` fans a request out into n child requests that share the prompt's cached blocks and
-are merged back into one RequestOutput.
+cheap except ``step()``. ``n > 1`` fans a request out into child requests (pdserve.runtime.fan_out); requests with a
+grammar wait for its compile outside the scheduler (pdserve.runtime.structured_output.engine_hooks); outputs are
+built by pdserve.runtime.output_processor.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,52 +18,28 @@ import torch
 from pdserve.kv_connectors.base import KVCacheSpec, create_connector
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.detokenizer import IncrementalDetokenizer
+from pdserve.runtime.fan_out import FanOut
 from pdserve.runtime.kv_events import KVEvent
 from pdserve.runtime.model_runner import ModelRunner, determine_num_blocks, kv_block_bytes
-from pdserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdserve.runtime.outputs import EngineStats, RequestOutput
+from pdserve.runtime.output_processor import OutputProcessor
 from pdserve.runtime.quantization import weight_bytes
-from pdserve.runtime.request import Request, RequestStatus
+from pdserve.runtime.request import Request
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
 from pdserve.runtime.scheduler import Scheduler
 from pdserve.runtime.spec_propose import create_proposer, load_draft_model
-from pdserve.runtime.spec_stats import SpecDecodingStats
+from pdserve.runtime.structured_output.engine_hooks import StructuredOutputHooks
 from pdserve.runtime.structured_output.manager import StructuredOutputManager
 from pdserve.runtime.validation import RequestLimits, check_request
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float          # 0..1, blocks held by requests
-    prefix_cache_queries: int      # tokens, cumulative
-    prefix_cache_hits: int         # tokens, cumulative
-    num_preemptions: int
-    prompt_tokens: int             # prompt tokens computed (cumulative; prefix hits excluded)
-    generation_tokens: int
-    kv_load_failures: int
-    recomputed_tokens: int
-    num_blocks: int = 0
-    running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
-    waiting_lora_adapters: list[str] | None = None
-    spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off
-
-
 def _is_device_fault(e: BaseException) -> bool:
     """Errors that mean the device (not one request) is broken: the engine must die and report unhealthy."""
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
-
-
-class _Parent:
-    """An n > 1 request: the client-facing id, its children and their latest completions."""
-
-    def __init__(self, request_id: str, n: int) -> None:
-        self.request_id = request_id
-        self.completions: list[CompletionOutput | None] = [None] * n
 
 
 class LLMEngine:
@@ -129,10 +105,10 @@ class LLMEngine:
             self.tokenizer, int(self.hf_config.vocab_size), [t for t in (eos if isinstance(eos, list) else
                                                                       [self.eos_token_id]) if t is not None],
             backend=so.backend, cache_size=so.grammar_cache_size, compile_timeout_s=so.grammar_compile_timeout_s)
-        self._waiting_grammar: list[Request] = []   # structured-output requests whose grammar is still compiling
+        self._grammar = StructuredOutputHooks(self.structured, self.scheduler)
         self._requests: dict[str, Request] = {}          # unfinished engine requests (children included)
-        self._parents: dict[str, _Parent] = {}          # client id -> fan-out state (n > 1 only)
-        self._child_of: dict[str, tuple[str, int]] = {}
+        self._fan_out = FanOut()                         # n > 1: client id <-> child requests
+        self.outputs = OutputProcessor(self._detok, self._fan_out, self.scheduler.finish_request, self._forget)
         log.info("engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.1f MiB)", self.served_model_name,
                  self.device, self.dtype, num_blocks, block_size, self.runner.kv_cache.nbytes / 2**20)
 
@@ -144,20 +120,16 @@ class LLMEngine:
         (an ``InvalidParam`` naming the field); ``LoRANotFound`` (a KeyError) for an unknown ``lora_name``."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        if request_id in self._requests or request_id in self._parents or request_id in self._child_of:
+        if request_id in self._requests or self._fan_out.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             prompt_text, token_ids = None, list(prompt)
         max_tokens = check_request(token_ids, params, self.limits, priority=priority)
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:
-            children = [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None
-                                                      else params.seed + i)) for i in range(params.n)]
-            if any(cid in self._requests for cid, _ in children):
-                raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
+        children = self._fan_out.children(request_id, params)
+        if params.n > 1 and any(cid in self._requests for cid, _ in children):
+            raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
         if params.structured_outputs is not None:   # starts its compile; bad JSON text raises here, before any trace
             self.structured.compile(params.structured_outputs)
         # Build everything before registering anything: a failure must leave no trace.
@@ -176,14 +148,12 @@ class LLMEngine:
                     self.lora.release(a)
             raise
         if params.n > 1:
-            self._parents[request_id] = _Parent(request_id, params.n)
-            self._child_of.update({req.request_id: (request_id, i) for i, req in enumerate(reqs)})
+            self._fan_out.register(request_id, [req.request_id for req in reqs])
         for req, detok in zip(reqs, detoks):
             self._requests[req.request_id] = req
             self._detok[req.request_id] = detok
             if req.sampling_params.structured_outputs is not None:   # scheduled once its grammar is compiled
-                self.structured.add_request(req.request_id, req.sampling_params.structured_outputs)
-                self._waiting_grammar.append(req)
+                self._grammar.add(req)
             else:
                 self.scheduler.add_request(req)
 
@@ -210,37 +180,21 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now (their blocks are freed at once); unknown or finished ids are ignored."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        engine_ids = []
-        for rid in ids:
-            parent = self._parents.pop(rid, None)
-            if parent is not None:
-                children = [f"{rid}#{i}" for i in range(len(parent.completions))]
-                for cid in children:
-                    self._child_of.pop(cid, None)
-                engine_ids += children
-            else:
-                engine_ids.append(rid)
-        for req in self.scheduler.abort_requests(engine_ids):
+        engine_ids = self._fan_out.engine_ids([request_ids] if isinstance(request_ids, str) else list(request_ids))
+        for req in self.scheduler.abort_requests(engine_ids) + self._grammar.abort(engine_ids):
             self._forget(req.request_id)
-        if self._waiting_grammar:
-            gone = set(engine_ids)
-            for req in [r for r in self._waiting_grammar if r.request_id in gone]:
-                req.status = RequestStatus.FINISHED_ABORTED
-                self._forget(req.request_id)
-            self._waiting_grammar = [r for r in self._waiting_grammar if r.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
         """True while requests run or wait, or a KV transfer still holds blocks (keep stepping to release them)."""
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
-                or bool(self._waiting_grammar))
+                or self._grammar.has_waiting())
 
     # ---- step ------------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns outputs of requests that progressed or finished this step."""
-        self._admit_compiled()                                              # grammars compiled -> schedulable
+        self._grammar.admit_compiled()                                      # grammars compiled -> schedulable
         sched_out = self.scheduler.schedule()                               # schedule
-        self._add_grammar_bitmask(sched_out)
+        self._grammar.add_bitmask(sched_out, self._requests)
         meta = sched_out.kv_connector_metadata
         if self.connector is not None and meta is not None:
             self.connector.start_load_kv(meta)                              # load
@@ -249,10 +203,10 @@ class LLMEngine:
         if self.connector is not None and meta is not None:
             self.connector.save_kv(meta)                                    # save
         progressed = self.scheduler.update_from_output(sched_out, runner_out)   # update
-        self._advance_grammars(progressed)
+        self._grammar.advance(progressed)
         if not sched_out.num_scheduled_tokens and not progressed:
             time.sleep(0.001)  # only KV transfers in flight (or nothing at all): do not spin a core polling them
-        return self._postprocess_all(progressed)                            # postprocess
+        return self.outputs.process(progressed)                             # postprocess
 
     def _forward_and_sample(self, sched_out: SchedulerOutput, req_ids: list[str] | None = None) -> ModelRunnerOutput:
         fwd = self.runner.execute_model(sched_out, req_ids)                 # forward
@@ -281,115 +235,6 @@ class LLMEngine:
                 if req is not None and not req.is_finished:
                     self.scheduler.fail_request(req, f"{type(e).__name__}: {e}"[:500])
         return out
-
-    # ---- structured outputs ------------------------------------------------------------------------------------------
-    def _admit_compiled(self) -> None:
-        """Hand requests whose grammar is compiled to the scheduler (in arrival order); fail those whose compile
-        failed or timed out. Others keep waiting without holding anyone up."""
-        if not self._waiting_grammar:
-            return
-        still = []
-        for req in self._waiting_grammar:
-            try:
-                ready = self.structured.ready(req.request_id)
-            except ValueError as e:
-                self.scheduler.add_request(req)
-                self.scheduler.fail_request(req, f"structured output: {e}"[:500])
-                continue
-            if ready:
-                self.scheduler.add_request(req)
-            else:
-                still.append(req)
-        self._waiting_grammar = still
-
-    def _add_grammar_bitmask(self, sched_out: SchedulerOutput) -> None:
-        """The bitmask of the constrained requests that sample this step (their chunk reaches their last token)."""
-        if not self.structured.has_requests():
-            return
-        computed = sched_out.num_computed_tokens()
-        ids = [rid for rid, n in sched_out.num_scheduled_tokens.items()
-               if self.structured.is_ready(rid) and computed[rid] + n >= self._requests[rid].num_tokens]
-        if ids:
-            sched_out.structured_output_request_ids = ids
-            sched_out.grammar_bitmask = self.structured.grammar_bitmask(ids)
-
-    def _advance_grammars(self, progressed: list[Request]) -> None:
-        """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
-        A grammar that accepted its stop token ends the request even under ``ignore_eos``: nothing more may follow."""
-        for req in progressed:
-            rid = req.request_id
-            if not self.structured.has(rid):
-                continue
-            if not self.structured.accept(rid, req.output_token_ids):
-                if not req.is_finished:
-                    self.scheduler.fail_request(req, "structured output: the grammar refused a sampled token")
-                req.status, req.error = RequestStatus.FINISHED_ERROR, "structured output: grammar refused a token"
-            elif not req.is_finished and self.structured.is_terminated(rid):
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-
-    def _postprocess_all(self, progressed: list[Request]) -> list[RequestOutput]:
-        now = time.time()
-        outputs = []
-        for req in progressed:
-            if req.request_id not in self._requests:
-                continue
-            if req.first_token_time is None and req.num_output_tokens:
-                req.first_token_time = now
-            try:
-                out = self._postprocess(req)
-            except Exception as e:  # noqa: BLE001 - one request's bug must not take the engine down
-                log.exception("postprocessing request %s failed", req.request_id)
-                out = self._fail_output(req, e)
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def _fail_output(self, req: Request, error: Exception) -> RequestOutput | None:
-        """The error output of a request whose postprocessing raised (it is finished and forgotten)."""
-        if not req.is_finished:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
-        req.status = RequestStatus.FINISHED_ERROR
-        req.error = f"{type(error).__name__}: {error}"[:500]
-        self._forget(req.request_id)
-        return self._make_output(req, CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids),
-                                                       finish_reason="error", stop_reason=None))
-
-    def _postprocess(self, req: Request) -> RequestOutput | None:
-        """The request's cumulative output (its stops were decided by the scheduler's stop checker)."""
-        detok = self._detok[req.request_id]
-        completion = CompletionOutput(
-            index=0, text=detok.output_text(req.is_finished), token_ids=list(req.output_token_ids),
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None)
-        if req.is_finished:
-            self._forget(req.request_id)
-        return self._make_output(req, completion)
-
-    def _make_output(self, req: Request, completion: CompletionOutput) -> RequestOutput | None:
-        metrics = RequestMetrics(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-                                 first_token_time=req.first_token_time,
-                                 finished_time=time.time() if req.is_finished else None,
-                                 num_preemptions=req.num_preemptions, num_recomputed_tokens=req.num_recomputed_tokens,
-                                 kv_transfer=req.kv_transfer or None)
-        request_id, finished, outs = req.request_id, req.is_finished, [completion]
-        if req.request_id in self._child_of:
-            request_id, index = self._child_of[req.request_id]
-            parent = self._parents.get(request_id)
-            if parent is None:
-                return None
-            completion.index = index
-            parent.completions[index] = completion
-            finished = all(c is not None and c.finished for c in parent.completions)
-            outs = [c for c in parent.completions if c is not None]
-            if finished:
-                del self._parents[request_id]
-                for i in range(len(parent.completions)):
-                    self._child_of.pop(f"{request_id}#{i}", None)
-        return RequestOutput(request_id=request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=finished, num_cached_tokens=max(0, req.num_cached_tokens),
-                             kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
-                             metrics=metrics, error=req.error)
 
     def _forget(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -9,6 +9,7 @@ loaded can never be another request's hit; a failed load therefore never has a s
 from __future__ import annotations
 
 from pdserve.runtime.block_pool import BlockPool, KVBlock
+from pdserve.runtime.kv_events import KVEvent
 from pdserve.runtime.request import Request
 
 
@@ -32,6 +33,13 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def take_events(self) -> list[KVEvent]:
+        """The pool's KV events since the last call (pdserve.runtime.block_pool)."""
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

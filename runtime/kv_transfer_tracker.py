@@ -9,7 +9,9 @@ pdserve.kv_connectors.base):
 - a request finished while its load is still writing into its blocks is parked in ``aborted_loading`` and released
   only when the load ends (its blocks must not get a new owner while a connector writes them);
 - ``release`` asks the connector whether it still reads the blocks (``delay_free``: a prefill handoff); such a request
-  waits in ``sending`` until the connector says sent, then its blocks are freed;
+  waits in ``sending`` until the connector says sent, then its blocks are freed. A handoff whose blocking part runs
+  on the connector's thread (``pending``) also waits in ``awaiting_params`` (``req.handoff_pending``: the engine holds
+  its response) until the connector settles its params; it is then reported again, finished, with them;
 - a block reported invalid cuts every request holding it back to the start of its first invalid block (policy
   ``recompute``) or fails the request (policy ``fail``). Blocks reach the prefix cache only after their KV is verified,
   so an invalid block has no second owner and is recomputed once.
@@ -26,12 +28,14 @@ from pdserve.runtime.request import Request, RequestStatus
 
 class KVTransferTracker:
     def __init__(self, connector: KVConnectorBase, kv: KVCacheManager, load_failure_policy: str,
-                 fail_request: Callable[[Request, str], None]) -> None:
+                 fail_request: Callable[[Request, str], None], report: Callable[[Request], None]) -> None:
         self.connector = connector
         self.kv = kv
         self.block_size = kv.block_size
         self.load_failure_policy = load_failure_policy
         self._fail_request = fail_request                 # the scheduler's: finish with an error, report next update
+        self._report = report                             # the scheduler's: report a finished request next update
+        self.awaiting_params: dict[str, Request] = {}     # finished, response held until its handoff params settle
         self.sending: dict[str, Request] = {}             # finished, blocks held until the connector says sent
         self.aborted_loading: dict[str, Request] = {}     # finished during an async load; freed when the load ends
         self._num_external: dict[str, int] = {}           # async-load tokens pending per request
@@ -41,7 +45,7 @@ class KVTransferTracker:
 
     def has_pending(self) -> bool:
         """Blocks still held for a transfer (keep stepping so they are released)."""
-        return bool(self.sending or self.aborted_loading)
+        return bool(self.sending or self.aborted_loading or self.awaiting_params)
 
     def start_load(self, req: Request, num_external: int) -> None:
         """``req``'s blocks are allocated and an async load of ``num_external`` tokens into them has been requested."""
@@ -56,8 +60,12 @@ class KVTransferTracker:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
-        req.kv_transfer_params = params
+        delay, params, pending = self.connector.start_request_finished(req, self.kv.get_block_ids(req.request_id))
+        if pending:
+            req.handoff_pending = True
+            self.awaiting_params[req.request_id] = req
+        else:
+            req.kv_transfer_params = params
         if delay:
             self.sending[req.request_id] = req
             return
@@ -66,6 +74,11 @@ class KVTransferTracker:
     def poll(self, running: Iterable[Request], requests: dict[str, Request]) -> set[str]:
         """Collect finished transfers and load errors. Returns the ids of running requests whose step must be
         discarded (cut back or failed); loads that ended make their requests WAITING again."""
+        for rid, params in self.connector.get_finished_handoffs().items():
+            req = self.awaiting_params.pop(rid, None)
+            if req is not None:
+                req.kv_transfer_params, req.handoff_pending = params, False
+                self._report(req)
         sending, recving = self.connector.get_finished()
         self._bad_blocks |= self.connector.get_block_ids_with_load_errors()
         for rid in sending:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.base import AttentionMetadata
+from pdserve.kernels.packed_linear import pack_linears
+from pdserve.runtime import envs
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.kv_cache_manager import cdiv
 from pdserve.runtime.input_batch import InputBatch
@@ -68,6 +70,8 @@ class ModelRunner:
                  device: torch.device, seed: int | None = None) -> None:
         self.model = model
         self.device = device
+        if envs.cpu_packed_gemm():
+            pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage

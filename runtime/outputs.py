@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.runtime.spec_stats import SpecDecodingStats
 
 # logprobs of one generated position: token id -> logprob (the sampled token plus the top-k alternatives)
 PositionLogprobs = dict[int, float]
@@ -47,3 +50,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None              # set when finish_reason == "error"
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters, one snapshot per step (``LLMEngine.get_stats``), read by /metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float          # 0..1, blocks held by requests
+    prefix_cache_queries: int      # tokens, cumulative
+    prefix_cache_hits: int         # tokens, cumulative
+    num_preemptions: int
+    prompt_tokens: int             # prompt tokens computed (cumulative; prefix hits excluded)
+    generation_tokens: int
+    kv_load_failures: int
+    recomputed_tokens: int
+    num_blocks: int = 0
+    running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
+    waiting_lora_adapters: list[str] | None = None
+    spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off

@@ -135,9 +135,11 @@ class QuantEmbedding(nn.Module):
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights really occupy: parameters plus persistent buffers (packed codes, scales), a tensor
-    shared by two modules counted once (the ``dequant`` tied LM head reads the embedding's own codes and scales)."""
+    shared by two modules counted once (the ``dequant`` tied LM head reads the embedding's own codes and scales), plus
+    the ``opaque_weight_bytes`` of modules holding a weight torch cannot see (kernels/packed_linear.py)."""
     tensors = list(model.parameters())
     for mod in model.modules():
         tensors += [b for n, b in mod.named_buffers(recurse=False)
                     if b is not None and n not in mod._non_persistent_buffers_set]
-    return sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in tensors})
+    opaque = sum(getattr(mod, "opaque_weight_bytes", 0) for mod in model.modules())
+    return opaque + sum(nbytes for _, nbytes in {(t.data_ptr(), t.nbytes) for t in tensors})

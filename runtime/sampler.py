@@ -119,6 +119,7 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         before = probs.cumsum(dim=-1) - probs
         mask |= before >= torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+        mask[:, 0] = False   # explicitly: a top_p below float32's range is 0.0, and 0 >= 0 would mask every token
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
     if any(p > 0 for p in min_p):

@@ -3,20 +3,20 @@
 Every request has ``num_computed_tokens`` chasing ``num_tokens`` (prompt + output). One step spends a token budget
 (``max_num_batched_tokens``) first on running requests (decodes and unfinished prefill chunks, in order), then admits
 waiting ones (prefix-cache hits and KV-connector tokens count as already computed), up to ``max_num_seqs`` running.
-When the pool runs dry, the lowest-priority / latest-arrived running request is preempted by recompute: its blocks are
+When the pool runs dry, a running request (pdserve.runtime.sched_policy picks which) is preempted by recompute: its blocks are
 freed, its counter reset to 0, and it goes back to the front of the queue (its cached blocks usually make the redo cheap).
 
 KV connector hooks follow pdserve.kv_connectors.base exactly; the transfer bookkeeping (async loads, blocks held for a
 remote reader, recovery from failed loads) is the ``KVTransferTracker``'s. Whether a request stops after a token is
 the ``StopChecker``'s decision. Each step's ``SchedulerOutput`` sends a request to the model runner whole the first
-time and as a diff afterwards (pdserve.runtime.sched_output). The scheduler never touches tensors.
+time and as a diff afterwards (pdserve.runtime.runner_view, pdserve.runtime.sched_output). Who is admitted or
+preempted next is pdserve.runtime.sched_policy's choice. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-
 from collections.abc import Mapping
 
 from pdserve.kv_connectors.base import KVConnectorBase
@@ -26,7 +26,9 @@ from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.kv_events import KVEvent
 from pdserve.runtime.kv_transfer_tracker import KVTransferTracker
 from pdserve.runtime.request import Request, RequestStatus
-from pdserve.runtime.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pdserve.runtime.runner_view import RunnerView
+from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.runtime.sched_policy import lora_fits, pick_victim, pop_waiting
 from pdserve.runtime.spec_stats import SpecDecodingStats
 from pdserve.runtime.stop_checker import StopChecker
 
@@ -43,17 +45,15 @@ class Scheduler:
         self.max_len = min(max_model_len, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.connector = connector
-        self.kv_transfers = None if connector is None else KVTransferTracker(connector, self.kv, load_failure_policy,
-                                                                              self.fail_request)
+        self.kv_transfers = None if connector is None else KVTransferTracker(
+            connector, self.kv, load_failure_policy, self.fail_request, lambda req: self.finished_out.append(req))
         self.stop_checker = StopChecker(self.max_len, detokenizers)
         self.max_loras = max_loras                    # distinct LoRA adapters among running requests (device slots)
         self.requests: dict[str, Request] = {}        # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_out: list[Request] = []         # finished outside update() (e.g. failed loads), to report
-        # What the model runner holds: request id -> number of block ids sent (None: preempted, send whole on resume).
-        self._runner_blocks: dict[str, int | None] = {}
-        self._finished_ids: set[str] = set()          # finished since the last schedule(): the runner drops them
+        self.runner_view = RunnerView()               # what the model runner holds: whole once, then diffs
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -80,10 +80,10 @@ class Scheduler:
         return 0 if self.kv_transfers is None else self.kv_transfers.recomputed_tokens
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.take_events()
+        return self.kv.take_events()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.pool.reset_prefix_cache()
+        return self.kv.reset_prefix_cache()
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
@@ -98,8 +98,7 @@ class Scheduler:
         """Finish now and free its blocks (unless a connector holds them, or an async load is still writing them)."""
         req.status, req.stop_reason = status, stop_reason
         self.requests.pop(req.request_id, None)
-        if self._runner_blocks.pop(req.request_id, -1) != -1:
-            self._finished_ids.add(req.request_id)
+        self.runner_view.finished(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -131,7 +130,7 @@ class Scheduler:
                 num_new += len(drafts)                  # drafts are extra query tokens of this step
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
             while self.kv.allocate_slots(req, num_new) is None:
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self.config.policy)
                 vidx = self.running.index(victim)
                 for j, (r, n) in enumerate(chosen):
                     if r is victim:
@@ -158,27 +157,11 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             out.num_scheduled_tokens[req.request_id] = n
-            self._add_request_data(out, req)
-        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+            self.runner_view.add(out, req, self.kv.get_block_ids(req.request_id))
+        out.finished_req_ids = self.runner_view.take_finished()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
-
-    def _add_request_data(self, out: SchedulerOutput, req: Request) -> None:
-        """Send ``req`` to the runner whole (first time), as a diff, or whole again after a preemption."""
-        rid, ids = req.request_id, self.kv.get_block_ids(req.request_id)
-        sent = self._runner_blocks.get(rid, -1)
-        self._runner_blocks[rid] = len(ids)
-        if sent == -1:
-            out.scheduled_new_reqs.append(NewRequestData(
-                rid, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params, req.eos_token_id, ids,
-                req.num_computed_tokens, lora_id=req.lora.int_id if req.lora is not None else 0,
-                lora_name=req.lora_name))
-        else:
-            resumed = sent is None
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                rid, resumed, ids if resumed else ids[sent:], list(req.all_token_ids) if resumed else [],
-                req.num_computed_tokens, req.num_output_tokens))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's proposed drafts that fit this step: only at its decode point, within the token budget and
@@ -191,8 +174,8 @@ class Scheduler:
     def _admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._pop_waiting()
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or not self._lora_fits(req):
+            req = pop_waiting(self.waiting, self.config.policy)
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or not lora_fits(req, self.running, self.max_loras):
                 skipped.append(req)
                 continue
             hits: list = []
@@ -240,29 +223,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _lora_fits(self, req: Request) -> bool:
-        """Running requests use at most ``max_loras`` distinct adapters, so every step's adapters fit the slots."""
-        if self.max_loras is None or req.lora is None:
-            return True
-        active = {r.lora.int_id for r in self.running if r.lora is not None}
-        return req.lora.int_id in active or len(active) < self.max_loras
-
-    def _pop_waiting(self) -> Request:
-        if self.config.policy == "priority":
-            best = min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-            self.waiting.remove(best)
-            return best
-        return self.waiting.popleft()
-
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
-        self._runner_blocks[req.request_id] = None
+        self.runner_view.preempted(req.request_id)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

@@ -137,14 +137,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)       # (T, H, D)
-        k = k.view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
-        v = v.view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin                 # cos/sin: (T, 1, D)
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x)                             # (T, q_size + 2 * kv_size)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
+        if self.q_norm is None:   # RoPE on q and k as one (T, H + Hkv, D) view: half the eager elementwise ops
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin          # cos/sin: (T, 1, D)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]   # (T, H, D), (T, Hkv, D)
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))      # (T, H, D)
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))   # (T, Hkv, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(T, self.q_size))      # (T, hidden)
 

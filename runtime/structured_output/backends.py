@@ -39,6 +39,33 @@ class Matcher(ABC):
         """The grammar accepted a stop token: nothing more may be generated."""
 
 
+class _NativeMatcher(Matcher):
+    """A backend's native matcher behind ``Matcher``: both natives roll back by a token count."""
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.m.rollback(num_tokens)
+
+
+class _XgrMatcher(_NativeMatcher):   # xgrammar.GrammarMatcher
+    def accept(self, token_ids: list[int]) -> bool:
+        return all(self.m.accept_token(t) for t in token_ids)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+class _LlgMatcher(_NativeMatcher):   # llguidance.LLMatcher
+    def accept(self, token_ids: list[int]) -> bool:
+        return all(self.m.consume_token(t) for t in token_ids) and not self.m.is_error()
+
+    def is_terminated(self) -> bool:
+        return self.m.is_stopped()
+
+
 class Backend(ABC):
     name: str
 
@@ -60,20 +87,6 @@ def _choice_ebnf(choices: list[str]) -> str:
 # ---- xgrammar ----
 
 MAX_WHITESPACE = 16   # longest run of JSON whitespace between two tokens
-
-class _XgrMatcher(Matcher):
-    def __init__(self, m: Any) -> None:
-        self.m = m
-
-    def accept(self, token_ids: list[int]) -> bool:
-        return all(self.m.accept_token(t) for t in token_ids)
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.m.rollback(num_tokens)
-
-    def is_terminated(self) -> bool:
-        return self.m.is_terminated()
 
 
 class XgrammarBackend(Backend):
@@ -128,21 +141,6 @@ class XgrammarBackend(Backend):
 
 
 # ---- llguidance ----
-
-class _LlgMatcher(Matcher):
-    def __init__(self, m: Any) -> None:
-        self.m = m
-
-    def accept(self, token_ids: list[int]) -> bool:
-        return all(self.m.consume_token(t) for t in token_ids) and not self.m.is_error()
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.m.rollback(num_tokens)
-
-    def is_terminated(self) -> bool:
-        return self.m.is_stopped()
-
 
 class GuidanceBackend(Backend):
     name = "llguidance"

@@ -91,4 +91,57 @@ def test_decode_attention_matches_sdpa_over_padded_contexts():
     mask = (torch.arange(L)[None, :] < torch.tensor([20, 7, 13])[:, None])[:, None, None, :]   # (B, 1, 1, L)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.view(B, Hkv, H // Hkv, D), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.3)
-    torch.testing.assert_close(decode_attention(q, k, v, mask, 0.3), want.reshape(B, H, D), atol=1e-5, rtol=1e-5)
+    pad = ~mask.view(B, 1, L)                                                                   # True = padding
+    torch.testing.assert_close(decode_attention(q, k, v, pad, 0.3), want.reshape(B, H, D), atol=1e-5, rtol=1e-5)
+
+
+def _decode_reference(q, k, v, lens, scale):
+    """Per sequence and head, in float64, over only the real slots: the answer ``decode_attention`` must give."""
+    B, H, D = q.shape
+    group = H // k.shape[2]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            keys, vals = k[b, : lens[b], h // group].double(), v[b, : lens[b], h // group].double()
+            out[b, h] = torch.softmax(keys @ q[b, h].double() * scale, 0) @ vals
+    return out
+
+
+def test_decode_attention_groups_queries_by_kv_head_and_masks_padding():
+    from pdserve.kernels.torch_ref import decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    for H, Hkv in ((9, 3), (4, 4), (8, 1)):          # GQA (the default model's 9/3), MHA, MQA
+        B, L, D = 5, 40, 16
+        q, k, v = torch.randn(B, H, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen), \
+            torch.randn(B, L, Hkv, D, generator=gen)
+        lens = [40, 33, 1, 17, 39]
+        pad = (torch.arange(L)[None, :] >= torch.tensor(lens)[:, None])[:, None, :]   # (B, 1, L)
+        k[1, 33:] = 1e4                                # padding must not leak into a shorter sequence's softmax
+        want = _decode_reference(q, k, v, lens, 0.25)
+        torch.testing.assert_close(decode_attention(q, k, v, pad, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+        got16 = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pad, 0.25)
+        assert got16.dtype == torch.bfloat16
+        torch.testing.assert_close(got16.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_one_copy_kv_write_equals_indexed_assignment_on_a_strided_layer():
+    from pdserve.kernels.base import kv_token_rows, kv_write_rows, write_kv_rows
+
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(6, 3, 2, 4, 2, 8, generator=gen)  # (blocks, layers, 2, bs, Hkv, D): a layer view is strided
+    slots = torch.tensor([5 * 4 + 3, 0, 2 * 4 + 1, 4 * 4 + 2])
+    k, v = torch.randn(4, 2, 8, generator=gen), torch.randn(4, 2, 8, generator=gen)
+    want = cache.clone()
+    want[:, 1][slots // 4, 0, slots % 4] = k
+    want[:, 1][slots // 4, 1, slots % 4] = v
+    got = cache.clone()
+    write_kv_rows(k, v, kv_token_rows(got[:, 1]), kv_write_rows(got[:, 1], slots))
+    assert torch.equal(got, want)                        # the other layers and slots untouched
+    got = cache.clone()
+    AttentionBackend.write_kv(k, v, got[:, 1], slots)
+    assert torch.equal(got, want)
+    odd = cache[:, 1].transpose(3, 4)                    # strides with no row view: the indexed fallback
+    assert kv_token_rows(odd) is None
+    AttentionBackend.write_kv(k.transpose(1, 2), v.transpose(1, 2), odd, slots)
+    assert torch.equal(cache, want)

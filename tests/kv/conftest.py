@@ -4,31 +4,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 
-from pdserve.kv_connectors.base import KVCacheSpec, KVConnectorBase
-from pdserve.runtime.block_hash import hash_token_blocks
+from pdserve.kv_connectors.base import KVCacheSpec, KVConnectorBase, PromptRequest
 
 BLOCK = 4
 SPEC = KVCacheSpec(model="tiny-test", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK)
 
 
-@dataclass
-class Req:
-    """The fields of an engine request a connector may read (ConnectorRequest)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    block_hashes: list[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_hashes = hash_token_blocks(self.prompt_token_ids, BLOCK, self.cache_salt)
+# The fields of an engine request a connector may read (ConnectorRequest), with this module's block size.
+Req = partial(PromptRequest, block_size=BLOCK)
 
 
 def resign(params: dict, secret: str | bytes | None = None, ttl_s: float = 60.0) -> dict:

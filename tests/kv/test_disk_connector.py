@@ -149,3 +149,17 @@ def test_overrunning_load_is_cancelled_and_reported(tmp_path, monkeypatch):
     time.sleep(2.5)                                  # the stuck thread wakes up: it must not write into the cache
     assert not d.kv_cache[10:15].any()
     assert d.get_finished() == (set(), set()) and not d.get_block_ids_with_load_errors()
+
+
+def test_a_load_is_traced_as_verified(tmp_path):
+    """Store records carry a checksum that every load checks: the request's kv_transfer record (the tracing span's
+    ``pdserve.kv.verified``) says so."""
+    p, d = _pair(tmp_path)
+    params = prefill(p, Req("v1", PROMPT, {"do_remote_decode": True}), [3, 7, 1, 9, 4, 11])
+    req = Req("v1", PROMPT, params)
+    req.kv_transfer = {}
+    res = load(d, req, [20, 21, 22, 23, 24, 25])
+    assert res.num_tokens == 5 * BLOCK and not res.bad_blocks
+    assert req.kv_transfer["verified"] is True and req.kv_transfer["failed_blocks"] == 0
+    p.shutdown()
+    d.shutdown()

@@ -269,3 +269,43 @@ def test_checksums_are_of_the_blocks_as_computed_not_as_read(prefill_conn, decod
     params = prefill(prefill_conn, req, SRC)
     res = load(decode, Req("early", PROMPT, params), DST)
     assert res.bad_blocks == {DST[1]}
+
+
+def test_handoff_checksums_run_off_the_caller_and_fall_back_at_their_deadline(monkeypatch, decode):
+    """The handoff's checksums run on the connector's handoff thread: start_request_finished returns at once, pending.
+    Past ``handoff_timeout_s`` the params list no blocks and no lease (the decode side computes the prompt itself),
+    and the blocks stay held until the stuck hash really ends."""
+    import threading
+
+    from pdserve.kv_connectors import nixl_connector
+
+    gate, entered = threading.Event(), threading.Event()
+    real = nixl_connector.block_checksums
+
+    def stuck(*args):
+        entered.set()
+        gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(nixl_connector, "block_checksums", stuck)
+    p = _conn("prefill", handoff_timeout_s=0.3)
+    try:
+        delay, params, pending = p.start_request_finished(Req("h", PROMPT, {"do_remote_decode": True}), SRC)
+        assert delay and pending and params is None
+        assert entered.wait(30)
+        deadline = time.monotonic() + 30
+        while not (done := p.get_finished_handoffs()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        params = done["h"]
+        assert params["remote_block_ids"] == [] and "lease_id" not in params and params["do_remote_prefill"]
+        assert p.metrics()["kv_handoffs_failed"] == 1 and len(p.leases) == 0
+        res = load(decode, Req("h", PROMPT, params), DST)
+        assert res.num_tokens == 0                                 # nothing claimed: decode recomputes
+        assert "h" not in p.get_finished()[0]                      # the hash still reads the blocks
+        gate.set()
+        p.handoffs.flush(30)
+        assert p.get_finished()[0] == {"h"}
+    finally:
+        gate.set()
+        p.shutdown()

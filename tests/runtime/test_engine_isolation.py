@@ -76,14 +76,14 @@ def test_a_request_failing_inside_a_step_fails_alone(llm, monkeypatch):
 
 def test_a_failing_postprocess_fails_alone(llm, monkeypatch):
     engine = llm.engine
-    real = engine._postprocess
+    real = engine.outputs._output
 
     def postprocess(req):
         if req.request_id == "bad":
             raise UnicodeError("injected detokenizer fault")
         return real(req)
 
-    monkeypatch.setattr(engine, "_postprocess", postprocess)
+    monkeypatch.setattr(engine.outputs, "_output", postprocess)
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     engine.add_request("bad", "Hello", greedy)
     engine.add_request("good", "Hello", greedy)
@@ -98,8 +98,8 @@ def test_aborting_an_n_request_leaves_no_fanout_state(llm):
     engine.add_request("fan", "Tell me a story", SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=1))
     engine.step()
     engine.abort_request("fan")
-    assert not engine._parents and not engine._child_of and not engine._requests and not engine._detok
+    assert not engine._fan_out._parents and not engine._fan_out._child_of and not engine._requests and not engine._detok
     assert not engine.has_unfinished_requests() and engine.get_stats().kv_cache_usage == 0.0
     engine.add_request("fan", "Tell me a story", SamplingParams(n=2, max_tokens=2))   # the id is free again
     assert len(run(engine, {"fan"})["fan"].outputs) == 2
-    assert not engine._child_of
+    assert not engine._fan_out._child_of

@@ -46,6 +46,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.kernels.packed_linear import PackedLinear
 from pdserve.runtime import LLM, SamplingParams
 from pdserve.runtime.model_loader import resolve_model_path
 from tests.support.hf_reference import (free_running_agreement, hf_greedy, short_parity_prompts,
@@ -210,7 +211,8 @@ def test_auto_keeps_the_default_model_dense():
         # auto: bf16 on CPUs with native bf16 dot products, else float32 (tests/runtime/test_dtype_default.py)
         dtype = torch.bfloat16 if fast_bf16_flag() else torch.float32
         assert llm.engine.dtype == dtype
-        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
+        # dense: a float nn.Linear, or the same weight packed for oneDNN (bf16 on CPU: kernels/packed_linear.py)
+        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, (torch.nn.Linear, PackedLinear))
         assert _bytes(llm) > 500_000_000 * dtype.itemsize // 4  # dense: ~134.5M parameters at full width
     finally:
         llm.shutdown()

@@ -58,6 +58,12 @@ def test_filters(sp, allowed):
     assert draws([0.5, 0.3, 0.2], **sp) == allowed
 
 
+def test_top_p_below_float32_keeps_the_top_token():
+    """A top_p that is 0.0 in float32 (1e-151 passes validation) keeps the most likely token; masking every token
+    gave NaN probabilities and token 0 whatever the logits (and a grammar's refusal, a 503, under structured outputs)."""
+    assert draws([0.2, 0.5, 0.3], n=50, top_p=1e-151) == {1}
+
+
 def test_low_temperature_concentrates():
     assert draws([0.4, 0.35, 0.25], temperature=0.01) == {0}
 

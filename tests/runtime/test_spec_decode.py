@@ -23,6 +23,7 @@ import torch
 
 from pdserve.runtime import LLM, SamplingParams
 from tests.support.hf_reference import parity_prompts
+from tests.support.parity import parity_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -35,9 +36,8 @@ SMALL = dict(dtype="float32", max_model_len=2048, num_gpu_blocks=128, max_num_ba
 
 @pytest.fixture(scope="module")
 def base():
-    llm = LLM(dtype="float32", max_model_len=2048, num_gpu_blocks=1024)
-    yield llm
-    llm.shutdown()
+    with parity_llm() as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tests.support.openai_strategies import (RAW_BODIES, assert_openai_error, chat_bodies, completion_bodies, encode,
-                                            numeric_edges)
+                                            numeric_edges, structured_bodies)
 from tests.support.server import launch_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -49,7 +51,8 @@ def check(server, http: httpx.Client, path: str, content: bytes) -> int:
     if r.status_code >= 300:
         assert_openai_error(r.status_code, r.content)
     elif r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        # SSE lines end at CR/LF only: str.splitlines would also cut at U+2028, U+0085... that JSON leaves raw
+        events = [line[6:] for line in re.split(r"\r\n|\r|\n", r.text) if line.startswith("data: ")]
         assert events[-1] == "[DONE]", r.text[-300:]
         for data in events[:-1]:
             assert "error" not in json.loads(data), f"error event {data} for {content[:300]!r}"
@@ -70,6 +73,24 @@ def test_fuzz_completions(server, http, body):
 @given(body=chat_bodies(MODEL))
 def test_fuzz_chat_completions(server, http, body):
     event(f"HTTP {check(server, http, '/v1/chat/completions', encode(body))}")
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))
+@given(chat=st.booleans(), data=st.data())
+def test_fuzz_structured_outputs_and_tools(server, http, chat, data):
+    """response_format / structured_outputs / tools + tool_choice shapes on otherwise well-formed bodies: they reach
+    the grammar compiler (schemas, regexes and grammars that compile or not) and are served or refused, never a 5xx."""
+    body = data.draw(structured_bodies(MODEL, chat), label="body")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    event(f"{'chat' if chat else 'completions'} HTTP {check(server, http, path, encode(body))}")
+
+
+def test_streamed_unicode_line_separators(server, http):
+    """Output holding U+2028 / U+0085 (raw in the SSE JSON, which escapes only what JSON must) streams intact."""
+    for path, ask in (("/v1/completions", {"prompt": "hi"}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {**ask, "max_tokens": 4, "stream": True, "structured_outputs": {"regex": "a\u2028b\u0085c"}}
+        assert check(server, http, path, encode(body)) == 200
 
 
 @pytest.mark.parametrize("content", RAW_BODIES, ids=range(len(RAW_BODIES)))

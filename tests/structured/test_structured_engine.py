@@ -107,7 +107,7 @@ def test_compiling_grammar_holds_up_no_one(llm, monkeypatch):
     outs = {}
     while "quick" not in outs:
         outs.update({o.request_id: o for o in eng.step() if o.finished})
-    assert "slow" not in outs and [r.request_id for r in eng._waiting_grammar] == ["slow"]
+    assert "slow" not in outs and [r.request_id for r in eng._grammar._waiting] == ["slow"]
     assert eng._requests["slow"].num_computed_tokens == 0
     gate.set()
     while "slow" not in outs:

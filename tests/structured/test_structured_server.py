@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.support.server import launch_server
+from tests.support.structured import TIME, TOOL_SCHEMAS, WEATHER, schema_format, stream_chat
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,6 @@ SCHEMAS = [
     {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "note": {"type": "string", "maxLength": 10}},
      "required": ["color"], "additionalProperties": False},
 ]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}},
-                                       "required": ["tz"], "additionalProperties": False}}}
-TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +49,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
 
 
 def stream_text(client, **kwargs) -> tuple[list[str], list[str | None]]:
@@ -214,19 +202,10 @@ def test_tool_choice_auto_parses_a_scripted_hermes_call(client):
               r'\n</tool_call>')
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
                   max_tokens=50, temperature=0, extra_body={"structured_outputs": {"regex": script}})
-    def streamed():
-        content, calls, finish = "", [], None
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for ch in chunk.choices:
-                content += ch.delta.content or ""
-                calls += ch.delta.tool_calls or []
-                finish = ch.finish_reason or finish
-        return content, calls, finish
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        stream = pool.submit(streamed)
+        stream = pool.submit(stream_chat, client, **kwargs)
         c = client.chat.completions.create(**kwargs).choices[0]
-        content, calls, finish = stream.result()
+        content, finish, calls = stream.result()
     assert c.finish_reason == "tool_calls" and c.message.content == "Sure.\n"
     (call,) = c.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
@@ -265,9 +244,19 @@ def test_tool_round_trip(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_input_is_400(server, body, param):
+    """An OpenAI-shaped 400 naming the field, before the engine queues anything (the engine counts every queued
+    structured-output request by kind; a grammar that failed there would be a 503)."""
+    def queued() -> float:
+        from pdserve.runtime.metrics import parse_samples
+
+        s = parse_samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        return sum(v for k, v in s.items() if k.startswith("pdserve:structured_output_requests_total{"))
+
+    before = queued()
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
+    assert queued() == before
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:

@@ -11,6 +11,9 @@ nesting, lone surrogates, invalid UTF-8). ``encode`` turns a drawn dict into byt
 Cost bound: a body that the server accepts asks for at most ``MAX_TOKENS`` tokens per choice and at most 3 choices
 (``max_tokens`` is always present and never null, so no request runs to the end of the context).
 
+``structured_bodies(model, chat)`` draws well-formed bodies whose structured-output and tool fields take valid,
+broken and junk shapes (those fields reach the grammar compiler there).
+
 ``router_requests(model)`` draws what a client sends the router: ``(path, body bytes, headers)``, the bodies above with
 hostile values in the fields the router itself reads (prompt and message text that looks like chat-template markup,
 P/D ``kv_transfer_params`` naming other hosts, request ids, cache salts), routing headers, raw bodies and binary junk.
@@ -213,6 +216,42 @@ def completion_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
 def chat_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
     clean = _chat(model, False)
     return st.one_of(clean, _one_bad_number(clean, NUMERIC_FIELDS + ["top_logprobs"]), _chat(model, True))
+
+
+def _one_constraint(chat: bool) -> st.SearchStrategy[dict[str, Any]]:
+    """One structured-output source at a time, mostly well-shaped (so it reaches the compiler) around schemas, regexes
+    and grammars that may not compile; now and then two sources at once or an unknown key."""
+    rf = st.one_of(st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+                       {"name": texts(8), "schema": _schemas()}, optional={"strict": st.booleans()})}),
+                   st.just({"type": "json_object"}),
+                   st.fixed_dictionaries({"type": st.sampled_from(["text", "xml", "structural_tag"])},
+                                         optional={"json_schema": junk()}))
+    kinds = {"json": _schemas(), "regex": st.sampled_from(["[a-z]{1,3}", "((", "a|b", "", "[0-9]+"]) | texts(6),
+             "grammar": st.sampled_from(['root ::= "a"', "root ::= (", 'root ::= [0-9]+ "!"', "root ::= undefined"]),
+             "choice": st.lists(texts(4), max_size=3), "json_object": st.just(True)}
+    so = st.sampled_from(list(kinds)).flatmap(lambda k: st.fixed_dictionaries(
+        {k: kinds[k]}, optional={"disable_any_whitespace": st.booleans(), "bogus": junk(),
+                                 **({"choice": kinds["choice"]} if k != "choice" else {})}))   # choice: a second kind
+    options = [st.fixed_dictionaries({"structured_outputs": so}), st.fixed_dictionaries({"response_format": rf})]
+    if chat:
+        tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "bad name"])}, optional={"parameters": _schemas()})})
+        choice = st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "x"])})})
+        options.append(st.fixed_dictionaries({"tools": st.lists(tool, min_size=1, max_size=2)},
+                                             optional={"tool_choice": choice, "parallel_tool_calls": st.booleans()}))
+    one = st.one_of(options)
+    both = st.tuples(one, one).map(lambda t: {**t[0], **t[1]})
+    return st.one_of(one, one, one, both)
+
+
+def structured_bodies(model: str, chat: bool) -> st.SearchStrategy[dict[str, Any]]:
+    """Well-formed bodies with one structured-output source (``response_format``, ``structured_outputs``, or for chat
+    ``tools`` + ``tool_choice``), compiling or not. In the bodies above these fields ride only on hostile bodies, which
+    some other field gets refused first: here they reach the structured-output parsing and the grammar compiler, and
+    the ones that compile are served under their grammar."""
+    clean = _chat(model, False) if chat else _completion(model, False)
+    return st.tuples(clean, _one_constraint(chat)).map(lambda t: {**t[0], **t[1]})
 
 
 def _nested(depth: int) -> bytes:
