@@ -8,7 +8,8 @@ A checkpoint format (GGUF blocks, compressed-tensors, a float checkpoint quantiz
 with integer codes ``q`` one per element (not yet packed), so that the loader can fuse shards (q/k/v, gate/up) by
 concatenating rows and undo GGUF's q/k row permutation before any kernel-specific packing. A :class:`LinearMethod`
 then turns it into an ``nn.Module`` computing ``x @ w.T (+ bias)`` with its own packed layout: one file per method
-(``linear_dequant.py``, ``linear_int4_cpu.py``, ``linear_int8_cpu.py``), registered by name like the attention backends. A GPU kernel
+(``linear_dequant.py``, ``linear_f32_cpu.py``, ``linear_int4_cpu.py``, ``linear_int8_cpu.py``), registered by name like
+the attention backends. A GPU kernel
 (torch's CUDA int4, a Marlin-style kernel) is one more file plus one registration line.
 
 Every module a method returns has ``weight_bytes()``: what its tensors really occupy.
@@ -97,6 +98,7 @@ class LinearMethod(ABC):
     """Builds the layer for one weight. ``dtype`` is the activation (compute) dtype; the method may refuse it."""
 
     name: str = "base"
+    priority: int = 100  # automatic selection tries methods by (priority, name)
 
     @abstractmethod
     def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -160,14 +162,22 @@ def create_linear_method(name: str) -> LinearMethod:
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                      dtype: torch.dtype, name: str) -> QuantLinearModule:
-    """The first registered method (by name) that runs ``weight`` on ``device``: on CPU, ``dequant`` for float32
-    activations (exact, and faster than torch's scalar float32 paths), ``int4_cpu`` / ``int8_cpu`` for bfloat16.
+    """The first registered method (by priority, then name) that runs ``weight`` on ``device``: on CPU, ``f32_cpu``
+    for float32 activations (fused float32 kernel; ``dequant``, exact by construction, where it cannot build),
+    ``int4_cpu`` / ``int8_cpu`` for bfloat16. ``PDSERVE_LINEAR_METHOD`` names one method to use instead (an error
+    when it cannot run the weight).
 
     ``name`` names the tensor in the error raised when no method can run it."""
+    from pdserve.runtime import envs
+
     _load_builtin()
+    forced = envs.linear_method()
+    if forced is not None:
+        candidates = [(forced, create_linear_method(forced))]
+    else:
+        candidates = sorted(((n, f()) for n, f in _REGISTRY.items()), key=lambda nm: (nm[1].priority, nm[0]))
     reasons = []
-    for method_name in sorted(_REGISTRY):
-        method = _REGISTRY[method_name]()
+    for method_name, method in candidates:
         reason = method.supports(weight, device, dtype)
         if reason is None:
             return method.create(weight, bias, device, dtype)
@@ -179,7 +189,7 @@ def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device:
 def _load_builtin() -> None:
     import importlib
 
-    for mod in ("linear_dequant", "linear_int4_cpu", "linear_int8_cpu"):
+    for mod in ("linear_dequant", "linear_f32_cpu", "linear_int4_cpu", "linear_int8_cpu"):
         try:
             importlib.import_module(f"pdserve.kernels.{mod}")
         except ImportError:

@@ -90,6 +90,8 @@ class Int4CpuMethod(DeviceLinearMethod):
             return "per-channel symmetric 8-bit runs on int8_cpu"
         if weight.bits not in (4, 8):
             return f"{weight.bits}-bit codes are not supported"
+        if weight.shape[0] % 16:  # _convert_weight_to_int4pack_for_cpu raises on it (torch 2.15)
+            return f"needs out_features divisible by 16 (got {weight.shape[0]})"
         return None
 
     def module_class(self, weight: QuantizedWeight) -> type[QuantLinearModule]:

@@ -119,7 +119,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "weights are quantized, else float32)")
     m.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="weights kept quantized: auto (compressed-tensors checkpoints as stored, else dequantized), "
-                        "none, int8 (per-channel), int4 (group-wise; GGUF Q4_0/Q4_1/Q8_0 blocks kept as stored)")
+                        "none, int8 (per-channel), int4 (group-wise; GGUF Q4_0/Q4_1/Q8_0 blocks kept as stored); on CPU "
+                        "they compute in bf16 (torch's kernels), or with --dtype float32 on pdserve's f32_cpu kernel "
+                        "(PDSERVE_LINEAR_METHOD=dequant: exact by construction, slow)")
     m.add_argument("--max-model-len", type=_positive, default=None,
                    help="context length limit: prompt plus generated tokens (default: the model's)")
     m.add_argument("--seed", type=int, default=0, help="seed of the default random generator")

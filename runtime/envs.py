@@ -62,3 +62,9 @@ def cpu_packed_gemm() -> bool:
     """Whether bf16/fp16 dense linears on CPU run oneDNN's packed kernel (PDSERVE_CPU_PACKED_GEMM, default on; ``0``
     falls back to ``F.linear``, e.g. to compare the two: kernels/packed_linear.py)."""
     return os.environ.get("PDSERVE_CPU_PACKED_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def linear_method() -> str | None:
+    """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
+    ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""
+    return os.environ.get("PDSERVE_LINEAR_METHOD") or None

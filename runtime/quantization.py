@@ -1,10 +1,8 @@
 """``--quantization``: which weights stay quantized, and how a float checkpoint is quantized at load.
 
 ``auto``  the checkpoint decides: a compressed-tensors checkpoint is served quantized with its own scheme; everything
-          else, including GGUF files and the default model, is dequantized at load as before. For the default model
-          this is a speed choice, not a correctness one: float32 greedy output equals transformers token for token
-          either way (see below), but per-step dequantization makes float32 decode slower than the dense weights, and
-          the fast bf16 int4 kernel is not exact. Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller).
+          else, including GGUF files and the default model, is dequantized at load as before (the dense bf16 engine
+          is the default's speed baseline). Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller).
 ``none``  dequantize everything to ``--dtype`` (compressed-tensors too).
 ``int4``  GGUF: Q4_0/Q4_1/Q8_0 tensors kept as stored (exact mapping); float checkpoints and float GGUF tensors:
           linear layers quantized group-wise at load (asymmetric, 4 bits, group 128/64/32 - the largest dividing K).
@@ -17,11 +15,15 @@ Compute dtype and kernel (kernels/linear_*.py, picked by the registry):
 
 * ``--dtype auto`` with quantized weights on CPU computes in bfloat16 on torch's int4/int8 kernels (``int4_cpu``,
   ``int8_cpu``): torch's int4 CPU kernel is vectorized for bfloat16 only. Fast, close, not exact.
-* ``--dtype float32`` runs ``dequant``: codes stay quantized, each forward rebuilds the float32 weight bit for bit as
-  the reference dequantization does, then the dense GEMM - greedy output equals transformers on the dequantized
-  weights token for token, by construction; ~4.8x smaller than float32, but each step rebuilds the float weights.
+* ``--dtype float32`` runs ``f32_cpu`` (kernels/linear_f32_cpu.py): a fused dequantize-GEMM torch extension with
+  float32 activations, scales, zeros and output - nothing rounded to bf16. Not exact by construction (float32 sums in
+  another order, ~1e-6 of a layer's output), but greedy output equals transformers on the dequantized weights token
+  for token on the parity prompts for every format, ~4.8x smaller than float32, and faster than the bf16 engine at
+  batch 1. Where it cannot be built (no compiler) it falls back to ``dequant`` with one log line.
+* ``PDSERVE_LINEAR_METHOD=dequant`` (with float32): codes stay quantized, each forward rebuilds the float32 weight bit
+  for bit as the reference dequantization does, then the dense GEMM - exact by construction, but slow.
 
-Why the bf16 kernels miss the >= 95% free-running greedy agreement of issue 14 (measured 2026-11-23, 8 parity prompts,
+Why the bf16 kernels miss (and ``f32_cpu`` was built for) the >= 95% free-running greedy agreement of issue 14 (measured 2026-11-23, 8 parity prompts,
 32 tokens, OMP_NUM_THREADS=1). torch's CPU int4/int8 kernels are vectorized for bfloat16 only (float32 and float16
 activations take scalar loops, 20-45x a dense float32 GEMM at batch 1 and 32) and return bfloat16, so the fast path
 rounds three things to 8 mantissa bits: activations, scales/zeros (exact for compressed-tensors' bf16 scales, not for
@@ -36,8 +38,8 @@ with (its bf16 scales and zeros, float32 accumulation emulated) agrees 77% with 
 bf16 vs transformers float32: 78%; the dense bf16 engine: 79% (92.5% vs transformers bf16). What closes it is a
 float32 model with a kernel that takes float32 scales and returns float32: with torch's kernel that costs 2.5x one call
 (a second int4 call subtracting the first call's bf16 output inside its float32 sum via an extra group of codes:
-~6e-6 error, batch 1 only), slower than a dense float32 GEMV, so not offered; a fused float32 dequantize-GEMV
-(C++/AVX-512) would be the real fix.
+~6e-6 error, batch 1 only), slower than a dense float32 GEMV, so not offered; the fused float32 kernel ``f32_cpu`` is
+the fix (100% on the same prompts).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Reference: ``x @ w_deq.T`` in float64, with ``w_deq`` the float32 dequantized weight (for GGUF, bit for bit what
 transformers loads). Per method:
 
-* ``dequant`` (what float32 activations run on): EXACT - its output equals ``F.linear(x, w_deq)`` bit for bit;
+* ``dequant`` (float32 activations with ``PDSERVE_LINEAR_METHOD=dequant``): EXACT - its output equals ``F.linear(x, w_deq)`` bit for bit;
 * ``int4_cpu`` / ``int8_cpu`` with float32 activations: relative error < 1e-5 of the largest output - exact weights
   (the int4 zero ``m + 8d`` is one float32 rounding), float32 sums in another order;
 * ``int4_cpu`` / ``int8_cpu`` with bfloat16 activations (what ``--dtype auto`` runs on CPU): < 2e-2 - activations,
@@ -38,7 +38,7 @@ def _kernel(name: str, w: QuantizedWeight, dtype: torch.dtype, bias: torch.Tenso
 def _exact(w: QuantizedWeight, ref: torch.Tensor) -> bool:
     """The dequant method's output equals the dense float32 linear on the reference weight, bit for bit."""
     x = torch.randn(7, ref.shape[1])
-    layer = quantized_linear(w, None, CPU, torch.float32, "t")
+    layer = _kernel("dequant", w, torch.float32)  # float32 picks f32_cpu by default (test_quantization_f32_kernel.py)
     return type(layer).__name__ == "DequantLinear" and torch.equal(layer(x), F.linear(x, ref))
 
 

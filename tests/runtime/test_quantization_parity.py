@@ -3,11 +3,16 @@ errors, and ``auto`` leaving the default model exactly as before.
 
 Which is exact and which is not (why the agreement bar differs):
 
-* float32 compute (``dtype="float32"``) runs quantized weights on the ``dequant`` method: codes stay quantized in memory
-  and each forward rebuilds the float32 weight with the same operations as the reference dequantization (bit equality
-  checked in tests/runtime/test_quantization_kernels.py), then the same dense GEMM. Exact by construction, so greedy
-  output must equal transformers on the dequantized weights TOKEN FOR TOKEN (all formats: GGUF Q4_1 + Q8_0 embedding,
-  compressed-tensors W4A16 and INT8).
+* float32 compute (``dtype="float32"``) with ``PDSERVE_LINEAR_METHOD=dequant`` runs quantized weights on the ``dequant``
+  method: codes stay quantized in memory and each forward rebuilds the float32 weight with the same operations as the
+  reference dequantization (bit equality checked in tests/runtime/test_quantization_kernels.py), then the same dense
+  GEMM. Exact by construction, so greedy output must equal transformers on the dequantized weights TOKEN FOR TOKEN (all
+  formats: GGUF Q4_1 + Q8_0 embedding, compressed-tensors W4A16 and INT8).
+* float32 compute by default runs the ``f32_cpu`` kernel (kernels/linear_f32_cpu.py: float32 activations, scales,
+  zeros and output). NOT exact by construction - it sums the products in another order than the dense GEMM (per group,
+  the zero factored out), ~1e-6 of each layer's output (tests/runtime/test_quantization_f32_kernel.py) - so the issue's
+  bar would be >= 95% free-running; on these prompts it agrees on 100% of the tokens (measured 2026-11-23, every
+  format), and the test asserts what holds: token for token. A near-tie a future prompt or model meets could flip.
 * bfloat16 compute (what ``--dtype auto`` picks for quantized weights on CPU) runs torch's int4/int8 kernels: not
   exact, so the bar is the issue's >= 95% of greedy tokens (first 32 per prompt) against transformers on the same
   dequantized weights. These tests assert what holds - teacher-forced agreement >= 95% (at each of transformers'
@@ -63,6 +68,16 @@ def prompts(float_dir):
     from pdserve.runtime.model_loader import load_tokenizer
 
     return short_parity_prompts(load_tokenizer(float_dir))
+
+
+@pytest.fixture
+def linear_method(request, monkeypatch):
+    """``PDSERVE_LINEAR_METHOD`` for the test's engine (None: the registry's own choice)."""
+    if request.param is not None:
+        monkeypatch.setenv("PDSERVE_LINEAR_METHOD", request.param)
+    else:
+        monkeypatch.delenv("PDSERVE_LINEAR_METHOD", raising=False)
+    return request.param
 
 
 def _engine_greedy(prompts, **options) -> tuple[list[list[int]], LLM]:
@@ -139,13 +154,14 @@ def default_refs(float_dir, prompts):
     return hf_greedy(float_dir, prompts, NEW)
 
 
-# (dtype, expected linear module, token-for-token?, min memory ratio vs float32): the issue's >= 4x goal on both paths
-# (float32 keeps float32 scales, and its tied LM head reads the embedding's own Q8_0 codes: ~4.8x).
-DEFAULT_CASES = [("float32", "DequantLinear", True, 4.0), ("auto", "Int4Linear", False, 4.0)]
+# (dtype, linear method, expected linear module, token-for-token?, min memory ratio vs float32): the issue's >= 4x goal
+# on every path (float32 keeps float32 scales, and its tied LM head reads the embedding's own Q8_0 codes: ~4.8x).
+DEFAULT_CASES = [("float32", "dequant", "DequantLinear", True, 4.0), ("float32", None, "F32Linear", True, 4.0),
+                 ("auto", None, "Int4Linear", False, 4.0)]
 
 
-@pytest.mark.parametrize("dtype, module, exact, ratio", DEFAULT_CASES)
-def test_default_gguf_int4_keeps_q4_1_blocks(default_refs, prompts, dtype, module, exact, ratio):
+@pytest.mark.parametrize("dtype, linear_method, module, exact, ratio", DEFAULT_CASES, indirect=["linear_method"])
+def test_default_gguf_int4_keeps_q4_1_blocks(default_refs, prompts, dtype, linear_method, module, exact, ratio):
     ours, llm = _engine_greedy(prompts, quantization="int4", dtype=dtype)
     try:
         assert type(llm.engine.model.layers[0].mlp.gate_up_proj).__name__ == module
@@ -156,16 +172,32 @@ def test_default_gguf_int4_keeps_q4_1_blocks(default_refs, prompts, dtype, modul
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ct_checkpoints(tmp_path_factory, float_dir, prompts):
+    """scheme -> (compressed-tensors checkpoint, transformers' greedy tokens on its dequantized weights), built once."""
+    cache: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def get(scheme: str) -> tuple[Path, list[list[int]]]:
+        if scheme not in cache:
+            path = tmp_path_factory.mktemp("ct") / scheme
+            _write_checkpoint(float_dir, path, scheme)
+            cache[scheme] = path, hf_greedy(path / "dequantized", prompts, NEW)
+        return cache[scheme]
+
+    return get
+
+
 @pytest.mark.parametrize("scheme", ["w4a16", "int8"])
-@pytest.mark.parametrize("dtype, exact", [("float32", True), ("auto", False)])
-def test_compressed_tensors_checkpoint(tmp_path, float_dir, prompts, scheme, dtype, exact):
-    _write_checkpoint(float_dir, tmp_path / scheme, scheme)
-    refs = hf_greedy(tmp_path / scheme / "dequantized", prompts, NEW)
-    ours, llm = _engine_greedy(prompts, model=str(tmp_path / scheme), dtype=dtype)  # auto: served as stored
+@pytest.mark.parametrize("dtype, linear_method, exact", [("float32", "dequant", True), ("float32", None, True),
+                                                         ("auto", None, False)], indirect=["linear_method"])
+def test_compressed_tensors_checkpoint(ct_checkpoints, prompts, scheme, dtype, linear_method, exact):
+    path, refs = ct_checkpoints(scheme)
+    ours, llm = _engine_greedy(prompts, model=str(path), dtype=dtype)  # auto: served as stored
     try:
         layer = llm.engine.model.layers[0].self_attn.o_proj
         kernel = {"w4a16": "Int4Linear", "int8": "Int8Linear"}[scheme]
-        assert type(layer).__name__ == ("DequantLinear" if dtype == "float32" else kernel)
+        expected = {"dequant": "DequantLinear", None: "F32Linear"}[linear_method] if dtype == "float32" else kernel
+        assert type(layer).__name__ == expected
         _check(ours, refs, llm, prompts, FLOAT32_BYTES, 1.5, exact)  # the float32 embedding (ignored by the scheme) stays
     finally:
         llm.shutdown()

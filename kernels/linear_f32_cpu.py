@@ -1,0 +1,275 @@
+"""Float32 quantized linear on CPU: a fused dequantize-GEMM torch C++ extension, float32 in, float32 out.
+
+``y = x @ w.T`` for ``w[n, k] = scale[n, g] * q[n, k] + zero[n, g]`` (``g = k // group_size``), computed per group as
+
+    y[m, n] = sum_g scale[n, g] * (x[m, g-block] . q[n, g-block]) + zero[n, g] * sum(x[m, g-block])
+
+in float32 with float32 scales and zeros: the codes are converted to float in registers (exact), nothing is rounded
+to bfloat16 (what keeps torch's int4/int8 CPU kernels at ~73% free-running greedy agreement, runtime/quantization.py).
+Not exact by construction: the products are summed in another order (and factored per group) than the dense GEMM
+on the dequantized weight, so outputs differ from ``F.linear(x, w_deq)`` by float32 rounding (~1e-6 of the output).
+``dequant`` (``PDSERVE_LINEAR_METHOD=dequant``) stays the exact-by-construction method.
+
+Weights it takes: 4-bit codes, signed ([-8, 7]) or unsigned ([0, 15]), group size a multiple of 32 (GGUF Q4_0/Q4_1,
+``--quantization int4``, compressed-tensors W4A16, per-channel), packed two a byte (byte ``j`` of each 32-code block
+holds codes ``j`` and ``j + 16``); 8-bit codes, signed or unsigned, group size a multiple of 16 (per-channel int8,
+compressed-tensors INT8, GGUF Q8_0), kept as the loader's own (N, K) tensor so that a tied LM head shares the Q8_0
+embedding's codes and scales. ``in_features`` must be a multiple of 32 (4-bit) or 16 (8-bit); anything else falls to
+``dequant``.
+
+Build: compiled on first use with ``torch.utils.cpp_extension.load`` (gcc + ninja) into
+``$PDSERVE_CACHE_DIR/torch_extensions/<name>``, the name keyed by a hash of the source, the torch version, the compiler
+flags and the CPU's flags, so a stale or foreign build is never loaded; later processes only load it. Work is split
+over output rows with ``at::parallel_for`` (torch's own thread pool). AVX-512 (F + BW) intrinsics where the CPU has
+them, a portable C++ loop elsewhere. If the build fails (no compiler, no headers) the method logs one line and declines
+every weight, so the registry falls back to ``dequant``: start-up never fails on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+
+import torch
+
+from pdserve.kernels.linear_base import (DeviceLinearMethod, KernelLinear, QuantizedWeight, QuantLinearModule,
+                                         register_linear_method)
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cstdint>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PD_AVX512 1
+#endif
+
+namespace {
+constexpr int64_t MB = 8;  // activation rows per pass over a weight row: weights are read once per MB rows
+
+struct Args {
+  const float* x; const uint8_t* codes; const float* scale; const float* zero; const float* xsum; float* y;
+  int64_t M, N, K, G; bool is_signed;
+};
+
+// y[m0:m0+NM, n] for one weight row n. 4-bit: codes (N, K/2), byte j of a 32-block = code j | code j+16 << 4.
+// 8-bit: codes (N, K) int8 or uint8. Group sums are formed in float32 then scaled (see the Python docstring).
+// NM (rows of x) is a template argument so that the accumulators stay in registers (a runtime count spills them).
+template <int BITS, int NM>
+void row(const Args& a, int64_t n, int64_t m0) {
+  const int64_t ng = a.K / a.G, K = a.K, G = a.G;
+  const float* s = a.scale + n * ng;
+  const float* z = a.zero ? a.zero + n * ng : nullptr;
+  const uint8_t* c = a.codes + n * (BITS == 4 ? K / 2 : K);
+  const float* x = a.x + m0 * K;
+#ifdef PD_AVX512
+  __m512 acc[NM], t[NM];
+  for (int m = 0; m < NM; m++) acc[m] = _mm512_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m512i off = _mm512_set1_epi32(a.is_signed ? 8 : 0);
+  for (int64_t g = 0; g < ng; g++) {
+    for (int m = 0; m < NM; m++) t[m] = _mm512_setzero_ps();
+    if (BITS == 4) {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        __m128i b = _mm_loadu_si128((const __m128i*)(c + k / 2));
+        __m512 qlo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)), off));
+        __m512 qhi = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), off));
+        for (int m = 0; m < NM; m++)
+          t[m] = _mm512_fmadd_ps(qhi, _mm512_loadu_ps(x + m * K + k + 16),
+                                 _mm512_fmadd_ps(qlo, _mm512_loadu_ps(x + m * K + k), t[m]));
+      }
+    } else {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        __m128i b = _mm_loadu_si128((const __m128i*)(c + k));
+        __m512 q = _mm512_cvtepi32_ps(a.is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+        for (int m = 0; m < NM; m++) t[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + m * K + k), t[m]);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(s[g]);
+    for (int m = 0; m < NM; m++) acc[m] = _mm512_fmadd_ps(t[m], sv, acc[m]);
+  }
+  for (int m = 0; m < NM; m++) {
+    float zacc = 0.f;
+    if (z) for (int64_t g = 0; g < ng; g++) zacc += z[g] * a.xsum[(m0 + m) * ng + g];
+    a.y[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(acc[m]) + zacc;
+  }
+#else
+  for (int64_t m = 0; m < NM; m++) {
+    const float* xm = x + m * K;
+    float acc = 0.f, zacc = 0.f;
+    for (int64_t g = 0; g < ng; g++) {
+      float t = 0.f;
+      for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) {
+        int q;
+        if (BITS == 4) {
+          const uint8_t b = c[(k / 32) * 16 + (k % 16)];
+          q = ((k % 32) < 16 ? (b & 15) : (b >> 4)) - (a.is_signed ? 8 : 0);
+        } else {
+          q = a.is_signed ? (int)(int8_t)c[k] : (int)c[k];
+        }
+        t += (float)q * xm[k];
+      }
+      acc += s[g] * t;
+      if (z) zacc += z[g] * a.xsum[(m0 + m) * ng + g];
+    }
+    a.y[(m0 + m) * a.N + n] = acc + zacc;
+  }
+#endif
+}
+
+template <int BITS>
+void rows(const Args& a, int64_t n0, int64_t n1, int64_t m0, int64_t mb) {
+  switch (mb) {
+#define PD_ROWS(NM) case NM: for (int64_t n = n0; n < n1; n++) row<BITS, NM>(a, n, m0); break;
+    PD_ROWS(1) PD_ROWS(2) PD_ROWS(3) PD_ROWS(4) PD_ROWS(5) PD_ROWS(6) PD_ROWS(7) PD_ROWS(8)
+#undef PD_ROWS
+  }
+}
+
+at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, bool is_signed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1, "codes: contiguous bytes");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scale: contiguous float32");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = group_size;
+  TORCH_CHECK(G % (bits == 4 ? 32 : 16) == 0 && K % G == 0 && scale.size(0) == N && scale.size(1) == K / G,
+              "shapes: K a multiple of the group size, the group size of 32 (4-bit) or 16 (8-bit)");
+  TORCH_CHECK(codes.size(1) == (bits == 4 ? K / 2 : K), "codes: (N, K/2) for 4-bit, (N, K) for 8-bit");
+  at::Tensor xsum;
+  const float* zp = nullptr;
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->scalar_type() == at::kFloat && zero->is_contiguous() && zero->sizes() == scale.sizes(), "zero");
+    zp = zero->data_ptr<float>();
+    xsum = x.view({M, K / G, G}).sum(-1).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Args a{x.data_ptr<float>(), (const uint8_t*)codes.data_ptr(), scale.data_ptr<float>(), zp,
+               zp ? xsum.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, G, is_signed};
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = std::min(MB, M - m0);
+      if (bits == 4) rows<4>(a, n0, n1, m0, mb); else rows<8>(a, n0, n1, m0, mb);
+    }
+  });
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_qf32, m) {
+  m.def("mm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int bits, int group_size, bool is_signed) -> Tensor");
+  m.impl("mm", c10::DispatchKey::CPU, TORCH_FN(mm));
+}
+"""
+
+
+def _cflags() -> list[str]:
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    flags = cpu_flags()
+    simd = ["-mavx512f", "-mavx512bw", "-mfma"] if {"avx512f", "avx512bw"} <= flags else []
+    return ["-O3", *simd]
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the extension; None when it works, else why it cannot be used."""
+    return build(SOURCE, _cflags())
+
+
+def build(source: str, cflags: list[str]) -> str | None:
+    """Compiles ``source`` into the cache dir (unless already built) and loads it; None, or the reason it failed."""
+    from torch.utils import cpp_extension
+
+    from pdserve.runtime import envs
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    key = "\0".join([source, torch.__version__, " ".join(cflags), " ".join(sorted(cpu_flags()))])
+    name = f"pdserve_qf32_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    build_dir = envs.cache_dir() / "torch_extensions" / name
+    built = {p: p.stat().st_mtime for p in build_dir.glob("*.so")}
+    t0 = time.perf_counter()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        src = build_dir / f"{name}.cpp"  # load(), not load_inline(): that prepends torch/extension.h (pybind: 2x slower)
+        if not src.is_file() or src.read_text() != source:
+            src.write_text(source)
+        cpp_extension.load(name, [str(src)], extra_cflags=cflags, build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler / headers / ninja: fall back to dequant, never fail start-up
+        reason = f"the f32_cpu kernel could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        log.warning("%s; float32 quantized linears fall back to dequant", reason)
+        return reason
+    if {p: p.stat().st_mtime for p in build_dir.glob("*.so")} != built:  # compiled now, not just loaded
+        log.info("built the f32_cpu quantized linear kernel (%s) in %.1f s into %s",
+                 "AVX-512" if "-mavx512f" in cflags else "portable C++", time.perf_counter() - t0, build_dir)
+    return None
+
+
+def _pack4(u: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in [0, 15] -> (N, K/2) bytes: byte j of each 32-code block = u[j] | u[j + 16] << 4."""
+    n, k = u.shape
+    g = u.view(n, k // 32, 2, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+class F32Linear(KernelLinear):
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.dtype, self.bits, self.group_size = torch.float32, w.bits, w.group_size
+        self.is_signed = w.q.dtype == torch.int8
+        if w.bits == 4:
+            u = w.q.to(torch.int16) + (8 if self.is_signed else 0)
+            if int(u.min()) < 0 or int(u.max()) > 15:
+                raise ValueError(f"{w.fmt}: 4-bit codes out of range [{int(u.min())}, {int(u.max())}]")
+            codes = _pack4(u.to(torch.uint8))
+        else:  # the loader's own tensors, not copies: a tied LM head shares the Q8_0 embedding's codes and scales
+            codes = w.q.contiguous()
+        self.register_buffer("codes", codes.to(device))
+        self.register_buffer("scale", w.scale.float().contiguous().to(device))
+        self.register_buffer("zero", None if w.zero is None else w.zero.float().contiguous().to(device))
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (T, K) float32 -> (T, N) float32
+        return torch.ops.pdserve_qf32.mm(x2, self.codes, self.scale, self.zero, self.bits, self.group_size,
+                                         self.is_signed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # KernelLinear's, minus no-op casts: ~121 calls a token
+        if x.dtype != torch.float32:
+            return super().forward(x)
+        y = self.matmul(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@register_linear_method("f32_cpu")
+class F32CpuMethod(DeviceLinearMethod):
+    name = "f32_cpu"
+    priority = 0  # float32 on CPU: ahead of dequant (exact but rebuilds the float weight every step)
+
+    def supports(self, weight: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> str | None:
+        if dtype != torch.float32:
+            return "float32 activations only"
+        return super().supports(weight, device, dtype)
+
+    def check(self, weight: QuantizedWeight) -> str | None:
+        step = {4: 32, 8: 16}.get(weight.bits)
+        if step is None:
+            return f"{weight.bits}-bit codes are not supported"
+        if weight.group_size % step or weight.shape[1] % weight.group_size:
+            return f"needs the group size a multiple of {step} dividing in_features " \
+                   f"(got {weight.group_size}, {weight.shape[1]})"
+        if weight.q.dtype not in (torch.int8, torch.uint8):
+            return f"needs int8 or uint8 codes, got {weight.q.dtype}"
+        return load_extension()
+
+    def module_class(self, weight: QuantizedWeight) -> type[QuantLinearModule]:
+        return F32Linear
