@@ -97,7 +97,8 @@ def test_pd_prefill_computes_one_sample_decode_keeps_n(pods, make_router, tokeni
     with httpx.Client(base_url=r.url) as c:
         assert c.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": LONG}],
                                                     "n": 4, "seed": 3, "max_tokens": 5}).status_code == 200
-        assert c.post("/v1/completions", json={"prompt": LONG, "n": 3, "best_of": 3, "max_tokens": 5}).status_code == 200
+        comp = {"prompt": LONG, "n": 3, "best_of": 3, "max_tokens": 5}
+        assert c.post("/v1/completions", json=comp).status_code == 200
     (chat_p, comp_p), (chat_d, comp_d) = [q["body"] for q in prefill.state.requests], [q["body"] for q in
                                                                                        decode.state.requests]
     assert chat_p["n"] == 1 and chat_p["max_tokens"] == 1 and chat_p["seed"] == 3
