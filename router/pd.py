@@ -1,6 +1,7 @@
 """Prefill/decode handoff (vLLM's ``kv_transfer_params`` protocol, so it drives pdserve and vLLM pods alike).
 
-1. Prefill: the original body with ``max_tokens: 1`` (and ``max_completion_tokens``), ``stream: false``, no
+1. Prefill: the original body with ``max_tokens: 1`` (and ``max_completion_tokens``), ``n: 1`` (no ``best_of``: one
+   copy of the prompt's KV moves once, decode samples the client's n from it), ``stream: false``, no
    ``stream_options``, and ``kv_transfer_params`` asking for a remote decode, plus the request's ``X-Request-Id``.
 2. The prefill pod's JSON answer carries top-level ``kv_transfer_params`` (remote block ids, engine id, host, port).
 3. Decode: the original body (stream setting and limits as the client sent them) with those params copied verbatim.
@@ -46,6 +47,9 @@ def kv_secret(cfg: RouterConfig) -> bytes | None:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     b = dict(body)
+    # n (and best_of) only shape the decode side's sampling: the prompt's KV is computed and handed off once.
+    b["n"] = 1
+    b.pop("best_of", None)
     b["max_tokens"] = 1
     if "max_completion_tokens" in b:
         b["max_completion_tokens"] = 1

@@ -127,8 +127,8 @@ class LLMEngine:
         else:
             prompt_text, token_ids = None, list(prompt)
         max_tokens = check_request(token_ids, params, self.limits, priority=priority)
-        children = self._fan_out.children(request_id, params)
-        if params.n > 1 and any(cid in self._requests for cid, _ in children):
+        children = self._fan_out.children(request_id, params, kv_transfer_params)
+        if len(children) > 1 and any(cid in self._requests for cid, _, _ in children):
             raise ValueError(f"request id {request_id!r} is already in use by a child of another request")
         if params.structured_outputs is not None:   # starts its compile; bad JSON text raises here, before any trace
             self.structured.compile(params.structured_outputs)
@@ -137,18 +137,19 @@ class LLMEngine:
         try:
             reqs = [Request(rid, token_ids, p, block_size=self.config.cache.block_size,
                             eos_token_id=self.eos_token_id, prompt=prompt_text, priority=priority,
-                            arrival_time=arrival_time, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params,
+                            arrival_time=arrival_time, cache_salt=cache_salt, kv_transfer_params=kv,
                             max_tokens=max_tokens, lora=a)
-                    for (rid, p), a in zip(children, adapters)]
+                    for (rid, p, kv), a in zip(children, adapters)]
             detoks = [IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
-                                             p.include_stop_str_in_output) for _, p in children]
+                                             p.include_stop_str_in_output) for _, p, _ in children]
         except BaseException:
             for a in adapters:
                 if a is not None:
                     self.lora.release(a)
             raise
-        if params.n > 1:
+        if len(reqs) > 1:
             self._fan_out.register(request_id, [req.request_id for req in reqs])
+            self._fan_out.share_remote_kv(reqs)
         for req, detok in zip(reqs, detoks):
             self._requests[req.request_id] = req
             self._detok[req.request_id] = detok

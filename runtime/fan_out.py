@@ -4,6 +4,13 @@ completions merged back into one ``RequestOutput`` per step.
 Child ``i`` of request ``R`` is the engine request ``R#i`` with ``n=1`` and, for a seeded request, seed ``seed + i``
 (so the n samples differ but replay). The parent's output is finished when every child is; it lists the completions
 seen so far in child order (``index`` = i).
+
+P/D: one copy of the prompt's KV moves once. A prefill handoff (``do_remote_decode``) is not fanned out: its sampled
+token is discarded and ``n`` only shapes the decode side's sampling, so one request computes the prompt and one lease
+hands it off (n children would each pin a lease that only one decode reader ever releases). On the decode side
+(``do_remote_prefill``) only child 0 carries the ``kv_transfer_params``: it loads the prompt once; its siblings name it
+their ``kv_leader`` and are not admitted until it has landed (runtime/kv_transfer_tracker.waits_for_kv_leader), then
+hit the local prefix cache.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdserve.runtime.outputs import CompletionOutput
+from pdserve.runtime.request import Request
 from pdserve.runtime.sampling_params import SamplingParams
 
 
@@ -24,12 +32,23 @@ class FanOut:
         return request_id in self._parents or request_id in self._child_of
 
     @staticmethod
-    def children(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-        """The engine requests (id, params) that serve ``request_id``: itself when ``n == 1``."""
-        if params.n == 1:
-            return [(request_id, params)]
-        return [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i))
-                for i in range(params.n)]
+    def children(request_id: str, params: SamplingParams, kv_transfer_params: dict | None = None,
+                 ) -> list[tuple[str, SamplingParams, dict | None]]:
+        """The engine requests (id, params, kv_transfer_params) that serve ``request_id``: itself alone when
+        ``n == 1`` or for a prefill handoff; else n children, only the first carrying an incoming remote prefill."""
+        kv = kv_transfer_params or {}
+        if params.n == 1 or kv.get("do_remote_decode"):
+            return [(request_id, replace(params, n=1) if params.n > 1 else params, kv_transfer_params)]
+        remote = bool(kv.get("do_remote_prefill"))
+        return [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                 kv_transfer_params if i == 0 or not remote else None) for i in range(params.n)]
+
+    @staticmethod
+    def share_remote_kv(reqs: list[Request]) -> None:
+        """Children whose prompt KV only child 0 loads wait for it (``kv_leader``) instead of reading the lease."""
+        for req in reqs[1:]:
+            if req.kv_transfer_params is None and reqs[0].kv_transfer_params is not None:
+                req.kv_leader = reqs[0]
 
     def register(self, request_id: str, child_ids: list[str]) -> None:
         """Start merging the children of ``request_id`` (only for ``n > 1``)."""

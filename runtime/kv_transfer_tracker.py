@@ -26,6 +26,19 @@ from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.request import Request, RequestStatus
 
 
+def waits_for_kv_leader(req: Request) -> bool:
+    """An ``n > 1`` sibling on the decode side waits until child 0 (its ``kv_leader``) has landed the remote prompt KV
+    (sampled a token, so its blocks are in the prefix cache) or finished: it then hits the prefix cache instead of
+    reading the lease a second time (runtime/fan_out.py)."""
+    leader = req.kv_leader
+    if leader is None:
+        return False
+    if leader.is_finished or leader.num_output_tokens > 0:
+        req.kv_leader = None
+        return False
+    return True
+
+
 class KVTransferTracker:
     def __init__(self, connector: KVConnectorBase, kv: KVCacheManager, load_failure_policy: str,
                  fail_request: Callable[[Request, str], None], report: Callable[[Request], None]) -> None:

@@ -58,6 +58,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.kv_leader: Request | None = None   # n > 1 sibling: admitted once this one's remote KV landed (fan_out)
         self.handoff_pending = False       # finished, its handoff params not ready yet: the response waits for them
         self.block_size = block_size
         self.lora = lora                   # the LoRAAdapter it runs with (runtime/lora_manager.py), None = base model

@@ -24,7 +24,7 @@ from pdserve.runtime.config import CacheConfig, SchedulerConfig
 from pdserve.runtime.detokenizer import IncrementalDetokenizer
 from pdserve.runtime.kv_cache_manager import KVCacheManager
 from pdserve.runtime.kv_events import KVEvent
-from pdserve.runtime.kv_transfer_tracker import KVTransferTracker
+from pdserve.runtime.kv_transfer_tracker import KVTransferTracker, waits_for_kv_leader
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.runner_view import RunnerView
 from pdserve.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -175,7 +175,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = pop_waiting(self.waiting, self.config.policy)
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or not lora_fits(req, self.running, self.max_loras):
+            if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or waits_for_kv_leader(req)
+                    or not lora_fits(req, self.running, self.max_loras)):
                 skipped.append(req)
                 continue
             hits: list = []

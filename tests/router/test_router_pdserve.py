@@ -93,6 +93,25 @@ def test_pd_handoff_matches_monolithic(cluster, reference, make_router, tokenize
     assert 'pdserve_router_pd_decisions_total{decision="disaggregated"} 2.0' in m
 
 
+def test_pd_n_samples_move_the_prompt_kv_once(cluster, make_router, tokenizer):
+    """n=3 through router -> prefill -> decode: the prefill pod computes one sample, the decode pod loads the prompt's
+    KV once (child 0; its siblings hit the prefix cache) and every choice equals the monolithic pod's greedy answer."""
+    P, D, M = cluster["P"], cluster["D"], cluster["M"]
+    messages = [{"role": "user", "content": "Describe a lighthouse keeper's evening routine on a stormy island. " * 4}]
+    body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "n": 3, **GREEDY}
+    want = httpx.post(M.url + "/v1/chat/completions", json=body, timeout=120).json()
+    app, r = make_router(RouterConfig(prefill=(P.url,), decode=(D.url,), pd_threshold=32, request_timeout=120),
+                         tokenizer=tokenizer)
+    loads, failures = (metric(D.url, f"pdserve:kv_connector_{m}_total") for m in ("loads", "load_failures"))
+    p_prompt = metric(P.url, "vllm:prompt_tokens_total")
+    got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert [c["message"]["content"] for c in got["choices"]] == [c["message"]["content"] for c in want["choices"]]
+    assert len(got["choices"]) == 3 and got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert metric(D.url, "pdserve:kv_connector_loads_total") - loads == 1
+    assert metric(D.url, "pdserve:kv_connector_load_failures_total") == failures
+    assert metric(P.url, "vllm:prompt_tokens_total") - p_prompt <= want["usage"]["prompt_tokens"]   # computed once
+
+
 def test_precise_prefix_routing_from_real_kv_events(cluster, make_router, tokenizer):
     M, D = cluster["M"], cluster["D"]
     cfg = RouterConfig(workers=(M.url, D.url), policy="precise-prefix", speculative_ttl=0.0, request_timeout=120,

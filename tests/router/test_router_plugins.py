@@ -227,15 +227,16 @@ def test_circuit_breaker_open_half_open_close():
 # -- P/D bodies, load parsing ---------------------------------------------------------------------------------------
 def test_prefill_and_decode_bodies():
     body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": 50, "max_completion_tokens": 40, "temperature": 0}
+            "max_tokens": 50, "max_completion_tokens": 40, "temperature": 0, "n": 3, "best_of": 3}
     p = prefill_body(body)
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
+    assert p["n"] == 1 and "best_of" not in p      # one sample: the prompt's KV is handed off (and moved) once
     assert "stream_options" not in p and p["kv_transfer_params"] == REMOTE_DECODE_PARAMS
     assert body["stream"] is True and "kv_transfer_params" not in body  # original untouched
     params = {"do_remote_prefill": True, "remote_block_ids": [4, 5], "remote_engine_id": "e", "remote_host": "h",
               "remote_port": 1, "tp_size": 1, "remote_request_id": "r"}
     d = decode_body(body, params)
-    assert d["kv_transfer_params"] is params and d["stream"] is True and d["max_tokens"] == 50
+    assert d["kv_transfer_params"] is params and d["stream"] is True and d["max_tokens"] == 50 and d["n"] == 3
     assert d["stream_options"] == {"include_usage": True}
 
 

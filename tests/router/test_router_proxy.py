@@ -88,6 +88,25 @@ def test_pd_handoff_copies_kv_transfer_params(pods, make_router, tokenizer):
     assert 'pdserve_router_pd_decisions_total{decision="local_short"} 1.0' in text
 
 
+def test_pd_prefill_computes_one_sample_decode_keeps_n(pods, make_router, tokenizer):
+    """n (and best_of) only shape decode's sampling: the prefill is asked for one sample, so the prompt's KV is
+    handed off under one lease and moved once; decode still gets the client's n."""
+    (prefill, ps), (decode, ds) = pods[0], pods[1]
+    _, r = make_router(RouterConfig(prefill=(ps.url,), decode=(ds.url,), pd_threshold=16, policy="round-robin"),
+                       tokenizer=tokenizer)
+    with httpx.Client(base_url=r.url) as c:
+        assert c.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": LONG}],
+                                                    "n": 4, "seed": 3, "max_tokens": 5}).status_code == 200
+        comp = {"prompt": LONG, "n": 3, "best_of": 3, "max_tokens": 5}
+        assert c.post("/v1/completions", json=comp).status_code == 200
+    (chat_p, comp_p), (chat_d, comp_d) = [q["body"] for q in prefill.state.requests], [q["body"] for q in
+                                                                                       decode.state.requests]
+    assert chat_p["n"] == 1 and chat_p["max_tokens"] == 1 and chat_p["seed"] == 3
+    assert comp_p["n"] == 1 and "best_of" not in comp_p and comp_p["max_tokens"] == 1
+    assert chat_d["n"] == 4 and comp_d["n"] == 3 and comp_d["best_of"] == 3 and chat_d["max_tokens"] == 5
+    assert chat_d["kv_transfer_params"]["do_remote_prefill"] and comp_d["kv_transfer_params"]["do_remote_prefill"]
+
+
 def test_prefill_failure_retries_another_prefill_then_falls_back(pods, make_router, tokenizer):
     (p0, s0), (p1, s1), (d, sd) = pods
     cfg = RouterConfig(prefill=(s0.url, s1.url), decode=(sd.url,), pd_threshold=16, policy="round-robin",
