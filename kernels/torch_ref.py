@@ -8,7 +8,7 @@ by the cached context length. The bucketing is planned once per step and shared 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,7 @@ class StepPlan:
     prefills: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len) of sequences with > 1 new token
     kv_rows: torch.Tensor | None = None        # (2T,) cache rows of the new tokens' K then V (base.kv_write_rows)
     paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # all decodes' (rows, tables, lens): the kernel
+    masks: dict[int, torch.Tensor] | None = field(default_factory=dict)  # seq -> its chunk's causal mask, built once
 
 
 def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float = 1.25,
@@ -186,12 +187,20 @@ def paged_attention_ref(
         if seq_len == q_len:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
-            # query i sits at position seq_len - q_len + i and sees keys 0..that position
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]   # (q_len, L)
+            mask = plan.masks.get(s) if plan.masks is not None else None
+            if mask is None:
+                mask = _offset_causal_mask(q_len, seq_len, q.device)
+                if plan.masks is not None:
+                    plan.masks[s] = mask
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[lo:lo + q_len] = o.transpose(0, 1)                   # (q_len, H, D)
     return out
+
+
+def _offset_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, seq_len) bool: query i sits at position seq_len - q_len + i and sees keys 0..that position."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
 
 
 def _cumsum(lens: list[int]) -> list[int]:
