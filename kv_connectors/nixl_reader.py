@@ -4,8 +4,9 @@ blocks that match its own prompt beyond its local prefix hits and loads them in 
 (mutually authenticated, bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call
 fails is dropped and re-handshaken next time), fingerprint check before any transfer, the READ in chunks of
 ``chunk_blocks`` blocks with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive
-while a long one runs), each chunk's checksums verified by the hash threads as soon as it lands while later chunks
-still move, then ``done``: only a lease still valid after the read proves the prefill blocks were never freed and
+while a long one runs), each chunk's checksums verified by the hash threads as soon as it lands (on one host UCX
+copies with CMA inside the post itself, so that is before the next chunk is posted) while later chunks still move,
+then ``done`` (its connection opened and greeted during the READ): only a lease still valid after the read proves the prefill blocks were never freed and
 reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens, and params
 edited to point elsewhere fail it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the
 request's prefix back to its first bad block and recomputes from there); a READ that fails (peer gone) fails the whole
