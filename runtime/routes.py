@@ -192,6 +192,8 @@ async def _serve(request: Request, state: ServerState, builder: ResponseBuilder,
     finally:
         ae.release(stream)
     if final is not None and streaming.engine_failed(final):
+        if streaming.constraint_dead_end(final):
+            raise ApiError(400, final.error, code="structured_output_dead_end")
         raise ApiError(503, f"request failed in the engine: {final.error or 'unknown error'}",
                        code="engine_error", headers={"Retry-After": RETRY_AFTER_S})
     return JSONResponse(builder.full(kind, req, resp_id, inp.prompt_ids, final), headers=headers)

@@ -18,10 +18,16 @@ from pdserve.runtime.outputs import RequestOutput
 from pdserve.runtime.protocol import RETRY_AFTER_S, ApiError, SamplingRequest, error_body
 from pdserve.runtime.responses import ResponseBuilder
 from pdserve.runtime.server_state import ServerState
+from pdserve.runtime.structured_output.manager import DEAD_END
 
 
 def engine_failed(out: RequestOutput | None) -> bool:
     return out is not None and any(c.finish_reason == "error" for c in out.outputs)
+
+
+def constraint_dead_end(out: RequestOutput) -> bool:
+    """The request's constraint reached a state no token of the vocabulary continues: the client's fault (400)."""
+    return (out.error or "").startswith(DEAD_END)
 
 
 async def await_final(request: Request, state: ServerState, stream: RequestStream,
@@ -89,8 +95,11 @@ async def sse_events(builder: ResponseBuilder, kind: str, req: SamplingRequest, 
             break
         timer.update(out)
         if engine_failed(out):
-            yield sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
-                                 "service_unavailable_error", code="engine_error"))
+            if constraint_dead_end(out):
+                yield sse(error_body(out.error, "invalid_request_error", code="structured_output_dead_end"))
+            else:
+                yield sse(error_body(f"request failed in the engine: {out.error or 'unknown error'}",
+                                     "service_unavailable_error", code="engine_error"))
             break
         for chunk in chunker.update(out):
             yield sse(chunk)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sched_output import SchedulerOutput
 from pdserve.runtime.scheduler import Scheduler
-from pdserve.runtime.structured_output.manager import StructuredOutputManager
+from pdserve.runtime.structured_output.manager import DEAD_END, StructuredOutputManager
 
 
 class StructuredOutputHooks:
@@ -20,6 +20,7 @@ class StructuredOutputHooks:
         self.manager = manager
         self.scheduler = scheduler
         self._waiting: list[Request] = []   # constrained requests whose grammar is still compiling
+        self._dead_end: set[str] = set()     # rows whose mask allowed no token this step (their sample is refused)
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
@@ -66,7 +67,10 @@ class StructuredOutputHooks:
                if self.manager.is_ready(rid) and computed[rid] + n >= requests[rid].num_tokens]
         if ids:
             sched_out.structured_output_request_ids = ids
-            sched_out.grammar_bitmask = self.manager.grammar_bitmask(ids)
+            sched_out.grammar_bitmask = bitmask = self.manager.grammar_bitmask(ids)
+            empty = ~bitmask.any(dim=1)
+            if bool(empty.any()):
+                self._dead_end.update(rid for rid, e in zip(ids, empty.tolist()) if e)
 
     def advance(self, progressed: list[Request]) -> None:
         """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
@@ -76,8 +80,10 @@ class StructuredOutputHooks:
             if not self.manager.has(rid):
                 continue
             if not self.manager.accept(rid, req.output_token_ids):
+                why = DEAD_END if rid in self._dead_end else "structured output: grammar refused a token"
+                self._dead_end.discard(rid)
                 if not req.is_finished:
-                    self.scheduler.fail_request(req, "structured output: the grammar refused a sampled token")
-                req.status, req.error = RequestStatus.FINISHED_ERROR, "structured output: grammar refused a token"
+                    self.scheduler.fail_request(req, why)
+                req.status, req.error = RequestStatus.FINISHED_ERROR, why
             elif not req.is_finished and self.manager.is_terminated(rid):
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)

@@ -41,6 +41,9 @@ class _RequestGrammar:
     num_accepted: int = 0
 
 
+NO_TOKEN_CAN_START = "no token of this model's vocabulary can start the constraint"
+# A request that reached a state no token can continue ends with this error: the constraint's fault, a 400.
+DEAD_END = "structured output: no token of this model's vocabulary can continue the constraint"
 COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -105,12 +108,21 @@ class StructuredOutputManager:
     def _compile(self, asked: str, kind: str, spec: str) -> tuple[Backend, Any]:
         t0 = time.perf_counter()
         try:
-            if asked != "auto":
-                return self.backend(asked), self.backend(asked).compile(kind, spec)
-            return self._compile_auto(kind, spec)
+            backend, compiled = ((self.backend(asked), self.backend(asked).compile(kind, spec)) if asked != "auto"
+                                 else self._compile_auto(kind, spec))
+            self._check_can_start(backend, compiled)
+            return backend, compiled
         finally:
             with self._lock:
                 self.stats.observe_compile(time.perf_counter() - t0)
+
+    def _check_can_start(self, backend: Backend, compiled: Any) -> None:
+        """A constraint whose first token no token of this vocabulary can satisfy (e.g. a regex on a byte the
+        tokenizer has no token for) is the client's error: refuse it with the compile, before anything is queued."""
+        bitmask = torch.full((1, self._words), -1, dtype=torch.int32)
+        backend.fill_bitmask([backend.matcher(compiled)], [0], bitmask)
+        if not bool(bitmask.any()):
+            raise ValueError(NO_TOKEN_CAN_START)
 
     def _compile_auto(self, kind: str, spec: str) -> tuple[Backend, Any]:
         """xgrammar, unless the schema uses keywords only llguidance enforces or xgrammar cannot read a grammar

@@ -234,6 +234,7 @@ def test_tool_round_trip(client):
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "\x16"}}, "structured_outputs"),   # no token of this vocabulary can start it
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
@@ -261,6 +262,22 @@ def test_bad_input_is_400(server, body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:
         assert err["param"] == param
+
+
+def test_constraint_no_token_can_continue_is_the_clients_400(server):
+    """A regex whose first byte has a token and whose second has none (this tokenizer has no token for \\x16): the
+    request reaches a state no token continues. It ends as an OpenAI-shaped 400 (a stream: an invalid_request_error
+    event, then [DONE]), not the engine's 503, and the server keeps serving."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 5, "structured_outputs": {"regex": "a\x16"}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "structured_output_dead_end"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "stream": True})
+    events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert [(e["type"], e["code"]) for e in errors] == [("invalid_request_error", "structured_output_dead_end")]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_metrics(server):
