@@ -25,6 +25,7 @@ leaves out the router and HTTP hops; ``benchmarks/pd_ttft.py`` measures the same
 
     python benchmarks/kv_transfer.py [--repeat 3] [--connectors nixl,nixl-nosum,nixl-bare,redis,disk]
                                      [--dtypes float32,bfloat16] [--compare REF]
+    python benchmarks/kv_transfer.py --medium [--dtypes float32,bfloat16]   # the medium under NIXL, raw
     python benchmarks/kv_transfer.py --ttft [--ttft-lengths 512,2048,8192] [--connectors nixl,redis,disk]
 """
 
@@ -105,17 +106,23 @@ class Handoff:
         self.d.register_kv_caches(new_cache(spec, fill=False))
         self.n, self.params, self.req = 0, None, None
 
-    def save(self) -> None:
+    def prepare(self) -> None:
+        """Untimed: a fresh prompt and its prefix-cache block hashes, which the engine computes for any request (P/D or
+        monolithic, before any connector runs), on both sides."""
         self.n += 1
         toks = [random.randrange(50000) for _ in range(PROMPT_TOKENS)]
         self.req = Req(f"r{self.n}", toks, {"do_remote_decode": True})
+        self.dreq = Req(self.req.request_id, toks, None)
+
+    def save(self) -> None:
         ids = list(range(NUM_BLOCKS + 1))
         # as the engine does after the prompt's (single-chunk) forward pass, then at once when the request finishes
         self.p.request_scheduled_for_save(self.req, ids, PROMPT_TOKENS)
         _, self.params = self.p.request_finished(self.req, ids)
 
     def load(self) -> None:
-        req = Req(self.req.request_id, self.req.prompt_token_ids, self.params)
+        req = self.dreq
+        req.kv_transfer_params = self.params   # the decode request as the router hands it over
         n, _ = self.d.get_num_new_matched_tokens(req, 0)
         assert n == NUM_BLOCKS * BLOCK, n
         self.d.update_state_after_alloc(req, list(range(1, NUM_BLOCKS + 2)), n)
@@ -126,6 +133,7 @@ class Handoff:
     def timed(self, repeat: int) -> tuple[float, float]:
         save_t, load_t = [], []
         for _ in range(repeat):
+            self.prepare()
             t0 = time.perf_counter()
             self.save()
             t1 = time.perf_counter()
@@ -199,6 +207,69 @@ def bare_nixl_read(spec: KVCacheSpec, repeat: int) -> float:
     return out
 
 
+def medium_probe(spec: KVCacheSpec, repeat: int) -> None:
+    """What one host's NIXL READ rides on: UCX moves it with CMA (``process_vm_readv`` from the peer process). Times a
+    raw ``process_vm_readv`` of the same bytes from a forked child (one call, then per-block calls, then split over two
+    threads) against the one-thread memcpy the ratios use, on 4 KiB pages and on transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``, 2 MiB aligned)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    n, block = spec.block_bytes * NUM_BLOCKS, spec.block_bytes
+    for huge in (False, True):
+        maps, ts = [], []
+        for _ in range(2):
+            m = mmap.mmap(-1, n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            addr = ctypes.addressof((ctypes.c_char * len(m)).from_buffer(m))
+            off = (-addr) % (2 << 20)
+            if huge and libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(n), 14) != 0:   # MADV_HUGEPAGE
+                print("  madvise(MADV_HUGEPAGE) failed: THP is off on this host")
+                return
+            maps.append(m)
+            ts.append(torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off))
+        src, dst = ts
+        src.random_(0, 256)
+        dst.fill_(0)
+        rd, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the peer: holds the same pages (copy-on-write, never written) until told to go
+            os.read(rd, 1)
+            os._exit(0)
+
+        def readv(start: int, length: int, step: int) -> None:
+            for o in range(start, start + length, step):
+                k = min(step, start + length - o)
+                loc, rem = IoVec(dst.data_ptr() + o, k), IoVec(src.data_ptr() + o, k)
+                if libc.process_vm_readv(pid, ctypes.byref(loc), 1, ctypes.byref(rem), 1, 0) != k:
+                    raise OSError(ctypes.get_errno(), "process_vm_readv")
+
+        def two_threads() -> None:
+            ths = [threading.Thread(target=readv, args=(i * n // 2, n // 2, n)) for i in range(2)]
+            [t.start() for t in ths], [t.join() for t in ths]
+
+        try:
+            readv(0, n, n)
+            assert torch.equal(src, dst)
+            mem = best(lambda: dst.copy_(src), repeat)
+            rows = [("one call", best(lambda: readv(0, n, n), repeat)),
+                    ("per block", best(lambda: readv(0, n, block), repeat)), ("2 threads", best(two_threads, repeat))]
+        finally:
+            os.write(wr, b"x")
+            os.waitpid(pid, 0)
+        thp = [ln.split()[1] for ln in open("/proc/self/smaps_rollup") if ln.startswith("AnonHugePages")]
+        print(f"  {spec.dtype:9} {'THP' if huge else '4 KiB':6} (AnonHugePages {thp[0] if thp else '?'} kB) memcpy "
+              f"{mem * 1e3:5.2f} ms | process_vm_readv " + ", ".join(f"{k} {t * 1e3:5.2f} ms ({mem / t:.2f})"
+                                                                       for k, t in rows))
+        del src, dst, ts
+        for m in maps:
+            m.close()
+
+
 def raw_redis(url: str, blocks: list[memoryview], repeat: int) -> tuple[float, float]:
     import redis
 
@@ -268,7 +339,7 @@ def measure(names: list[str], dtypes: list[str], repeat: int) -> list[tuple]:
                     rows.append((name, dtype, total, 0.0, bare_nixl_read(spec, repeat), 0.0, raw_memcpy(spec, repeat)))
                     continue
                 h = Handoff(name.split("-")[0], cfg, spec)
-                h.save(), h.load(), h.forget()          # warm-up: handshakes, connections, directories
+                h.prepare(), h.save(), h.load(), h.forget()          # warm-up: handshakes, connections, directories
                 save_t, load_t = h.timed(repeat)
                 h.close()
                 if name.startswith("nixl"):
@@ -372,6 +443,8 @@ def main() -> None:
     ap.add_argument("--compare", metavar="REF", help="also time git REF's kv_connectors, alternating, same run")
     ap.add_argument("--ttft", action="store_true", help="P/D vs monolithic time to first token instead")
     ap.add_argument("--ttft-lengths", default="512,2048,8192")
+    ap.add_argument("--medium", action="store_true",
+                    help="raw process_vm_readv (NIXL/UCX's one-host path) vs memcpy, 4 KiB pages and THP, instead")
     ap.add_argument("--rounds", type=int, default=2, help="--compare: alternating before/after runs (best of all)")
     ap.add_argument("--kv-code", metavar="REF", help=argparse.SUPPRESS)   # handled at import time
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -380,6 +453,11 @@ def main() -> None:
     if args.ttft:
         names = [n for n in names if n in ("nixl", "redis", "disk")]
         ttft(names, [int(n) for n in args.ttft_lengths.split(",")], args.repeat)
+        return
+    if args.medium:
+        print("process_vm_readv of one prompt's KV from a forked peer vs one-thread memcpy (ratio = memcpy / it)")
+        for dtype in dtypes:
+            medium_probe(spec_for(dtype), args.repeat)
         return
     if args.json:
         print("ROWS " + json.dumps(measure(names, dtypes, args.repeat)))

@@ -48,7 +48,7 @@ def instrument(engine) -> None:
     wrap(engine, "step", "step")
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.scheduler, "update_from_output", "update")
-    wrap(engine, "_postprocess_all", "postprocess")
+    wrap(engine.outputs, "process", "postprocess")
     wrap(runner, "update_states", "metadata")   # persistent-batch diffs
     wrap(runner, "build_metadata", "metadata")
     wrap(model, "forward", "forward")

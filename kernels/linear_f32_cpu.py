@@ -28,12 +28,11 @@ every weight, so the registry falls back to ``dequant``: start-up never fails on
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import time
 
 import torch
 
+from pdserve.kernels import cpp_build
 from pdserve.kernels.linear_base import (DeviceLinearMethod, KernelLinear, QuantizedWeight, QuantLinearModule,
                                          register_linear_method)
 
@@ -170,11 +169,7 @@ TORCH_LIBRARY(pdserve_qf32, m) {
 
 
 def _cflags() -> list[str]:
-    from pdserve.runtime.cpu_features import cpu_flags
-
-    flags = cpu_flags()
-    simd = ["-mavx512f", "-mavx512bw", "-mfma"] if {"avx512f", "avx512bw"} <= flags else []
-    return ["-O3", *simd]
+    return cpp_build.simd_cflags()
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,31 +180,10 @@ def load_extension() -> str | None:
 
 def build(source: str, cflags: list[str]) -> str | None:
     """Compiles ``source`` into the cache dir (unless already built) and loads it; None, or the reason it failed."""
-    from torch.utils import cpp_extension
-
-    from pdserve.runtime import envs
-    from pdserve.runtime.cpu_features import cpu_flags
-
-    key = "\0".join([source, torch.__version__, " ".join(cflags), " ".join(sorted(cpu_flags()))])
-    name = f"pdserve_qf32_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    build_dir = envs.cache_dir() / "torch_extensions" / name
-    built = {p: p.stat().st_mtime for p in build_dir.glob("*.so")}
-    t0 = time.perf_counter()
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        src = build_dir / f"{name}.cpp"  # load(), not load_inline(): that prepends torch/extension.h (pybind: 2x slower)
-        if not src.is_file() or src.read_text() != source:
-            src.write_text(source)
-        cpp_extension.load(name, [str(src)], extra_cflags=cflags, build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
-    except Exception as exc:  # no compiler / headers / ninja: fall back to dequant, never fail start-up
-        reason = f"the f32_cpu kernel could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
+    reason = cpp_build.build("pdserve_qf32", source, cflags, "the f32_cpu kernel")
+    if reason:
         log.warning("%s; float32 quantized linears fall back to dequant", reason)
-        return reason
-    if {p: p.stat().st_mtime for p in build_dir.glob("*.so")} != built:  # compiled now, not just loaded
-        log.info("built the f32_cpu quantized linear kernel (%s) in %.1f s into %s",
-                 "AVX-512" if "-mavx512f" in cflags else "portable C++", time.perf_counter() - t0, build_dir)
-    return None
+    return reason
 
 
 def _pack4(u: torch.Tensor) -> torch.Tensor:

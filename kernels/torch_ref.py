@@ -1,19 +1,21 @@
 """Torch reference attention backend ("torch"): the CPU default and the oracle the Triton/flash kernels are tested against.
 
-Decode tokens (one new token per sequence) are batched into a few GEMM pairs over padded gathers of their contexts,
-bucketed by length so that padding stays small; prefill chunks run one SDPA call per sequence with a causal mask offset
+Decode tokens (one new token per sequence) run the paged C++ kernel (kernels/paged_decode_cpu.py) on CPU where it is
+built and not switched off, reading K/V blocks in place; elsewhere they are batched into a few GEMM pairs over padded
+gathers of their contexts, bucketed by length so that padding stays small; prefill chunks run one SDPA call per sequence with a causal mask offset
 by the cached context length. The bucketing is planned once per step and shared by all layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.base import (AttentionBackend, AttentionMetadata, kv_token_rows, kv_write_rows, register_backend,
                                   write_kv_rows)
+from pdserve.kernels.paged_decode_cpu import enabled, paged_decode
 
 
 def block_rows(kv_layer: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -90,11 +92,25 @@ class StepPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len) of sequences with > 1 new token
     kv_rows: torch.Tensor | None = None        # (2T,) cache rows of the new tokens' K then V (base.kv_write_rows)
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # all decodes' (rows, tables, lens): the kernel
+    masks: dict[int, torch.Tensor] | None = field(default_factory=dict)  # seq -> its chunk's causal mask, built once
 
 
-def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float = 1.25) -> StepPlan:
-    """Split decodes into length buckets so that padded slots stay within ``max_padding`` x the real context."""
+def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float = 1.25,
+              paged: bool = False) -> StepPlan:
+    """Split decodes into length buckets so that padded slots stay within ``max_padding`` x the real context; with
+    ``paged``, all decodes in one set for the paged kernel instead (no padding, no buckets)."""
     starts = _cumsum(meta.query_lens_cpu)
+    prefills = [(s, starts[s], n, meta.seq_lens_cpu[s]) for s, n in enumerate(meta.query_lens_cpu) if n > 1]
+    if paged:
+        seqs = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if not seqs:
+            return StepPlan([], prefills)
+        nb = -(-max(meta.seq_lens_cpu[s] for s in seqs) // block_size)
+        idx = torch.tensor(seqs, device=device)
+        return StepPlan([], prefills, paged=(
+            torch.tensor([starts[s] for s in seqs], device=device), meta.block_tables[idx, :nb].long().contiguous(),
+            torch.tensor([meta.seq_lens_cpu[s] for s in seqs], device=device, dtype=torch.long)))
     decodes = sorted((meta.seq_lens_cpu[s], s) for s, n in enumerate(meta.query_lens_cpu) if n == 1)[::-1]
     groups: list[list[tuple[int, int]]] = []
     for seq_len, s in decodes:  # longest first: a group's first member sets its padded length
@@ -113,7 +129,6 @@ def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, ma
         decode_groups.append(DecodeGroup(
             rows=torch.tensor([starts[s] for s in seqs], device=device),
             tables=meta.block_tables[idx, :nb].long(), pad=pad[:, None, :]))
-    prefills = [(s, starts[s], n, meta.seq_lens_cpu[s]) for s, n in enumerate(meta.query_lens_cpu) if n > 1]
     return StepPlan(decode_groups, prefills)
 
 
@@ -154,6 +169,9 @@ def paged_attention_ref(
     group = q.shape[1] // kv_layer.shape[3]
     plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
     out = torch.empty_like(q)
+    if plan.paged is not None:
+        rows, tables, lens = plan.paged
+        out.index_copy_(0, rows, paged_decode(q.index_select(0, rows), kv_layer, tables, lens, scale))
     for dg in plan.decode_groups:
         k, v = dg.gather(kv_layer)                                          # 2 x (B, L, Hkv, D)
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -169,12 +187,20 @@ def paged_attention_ref(
         if seq_len == q_len:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
-            # query i sits at position seq_len - q_len + i and sees keys 0..that position
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]   # (q_len, L)
+            mask = plan.masks.get(s) if plan.masks is not None else None
+            if mask is None:
+                mask = _offset_causal_mask(q_len, seq_len, q.device)
+                if plan.masks is not None:
+                    plan.masks[s] = mask
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[lo:lo + q_len] = o.transpose(0, 1)                   # (q_len, H, D)
     return out
+
+
+def _offset_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, seq_len) bool: query i sits at position seq_len - q_len + i and sees keys 0..that position."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
 
 
 def _cumsum(lens: list[int]) -> list[int]:
@@ -199,7 +225,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_layer, meta, scale):
         if self._plan is None or self._plan[0] is not meta:
-            plan = plan_step(meta, kv_layer.shape[2], q.device)
+            plan = plan_step(meta, kv_layer.shape[2], q.device, paged=enabled(kv_layer.device, kv_layer.dtype))
             plan.kv_rows = kv_write_rows(kv_layer, meta.slot_mapping)   # the same rows in every layer's view
             self._plan = (meta, plan)
         plan, rows = self._plan[1], kv_token_rows(kv_layer)

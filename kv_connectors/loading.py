@@ -124,7 +124,9 @@ class LoadingConnector(KVConnectorBase):
         self._claims.pop(request.request_id, None)
         if num_computed_tokens % bs:
             return 0, False
-        hashes = list(request.block_hashes[: (len(request.prompt_token_ids) - 1) // bs])
+        # Every full prompt block the prefill published, the last one included (a block-aligned prompt then loads
+        # whole; the engine recomputes only its final token for the logits, as vLLM does).
+        hashes = list(request.block_hashes[: len(request.prompt_token_ids) // bs])
         start = num_computed_tokens // bs
         if start >= len(hashes):
             return 0, False

@@ -4,8 +4,9 @@ blocks that match its own prompt beyond its local prefix hits and loads them in 
 (mutually authenticated, bound to the peer's engine id and address, so no relay; cached per peer; a peer whose call
 fails is dropped and re-handshaken next time), fingerprint check before any transfer, the READ in chunks of
 ``chunk_blocks`` blocks with up to ``max_inflight`` in flight under one deadline (heartbeats keep the lease alive
-while a long one runs), each chunk's checksums verified by the hash threads as soon as it lands while later chunks
-still move, then ``done``: only a lease still valid after the read proves the prefill blocks were never freed and
+while a long one runs), each chunk's checksums verified by the hash threads as soon as it lands (on one host UCX
+copies with CMA inside the post itself, so that is before the next chunk is posted) while later chunks still move,
+then ``done`` (its connection opened and greeted during the READ): only a lease still valid after the read proves the prefill blocks were never freed and
 reused during it, so an expired lease fails the load (``lease_expired``) instead of returning wrong tokens, and params
 edited to point elsewhere fail it (``corrupt``). A block whose checksum differs is reported bad (the engine cuts the
 request's prefix back to its first bad block and recomputes from there); a READ that fails (peer gone) fails the whole
@@ -62,13 +63,31 @@ class NixlReader(LoadingConnector):
             n += 1
         return n
 
-    def _call(self, peer: Peer, op: str, body: dict) -> dict:
+    def _call(self, peer: Peer, op: str, body: dict, conn: side_channel.Opened | None = None) -> dict:
+        """One side-channel call to ``peer``, on ``conn`` (from :meth:`_open`) while it is fresh, else a new one."""
         try:
+            if conn is not None and conn.fresh():
+                try:
+                    return conn.request(op, body)
+                except PeerUnreachable as e:   # e.g. the peer's own (shorter) connection deadline closed it first;
+                    if isinstance(e, side_channel.SideChannelError):   # a request it read, it answers: one fresh
+                        raise                                          # try (a repeated "done" fails closed)
+                    logger.debug("nixl: %s on the connection opened ahead failed (%r): calling anew", op, e)
             return side_channel.call(peer.host, peer.port, self.token, op, body, self.handshake_timeout_s,
                                      client_id=self.engine_id, server_engine_id=peer.engine_id)
         except KVLoadError:
             self._drop_peer(peer)
             raise
+
+    def _open(self, peer: Peer) -> side_channel.Opened | None:
+        """A connection to ``peer`` with its hello in, for a later call; None if that fails now (the call then connects
+        anew, and reports what it finds)."""
+        try:
+            return side_channel.opened(peer.host, peer.port, self.token, self.handshake_timeout_s,
+                                       client_id=self.engine_id, server_engine_id=peer.engine_id)
+        except KVLoadError as e:
+            logger.debug("nixl: opening the side channel to %s ahead failed: %r", peer.agent_name, e)
+            return None
 
     def _peer(self, host: str, port: int, engine_id: str | None) -> Peer:
         peer = self._peers.get((host, port))
@@ -125,13 +144,16 @@ class NixlReader(LoadingConnector):
                 checks.append((start, end, block_codec.hash_pool().submit(
                     block_checksums, self.kv_cache, local[start:end], algo)))
 
+        done_conn = self._open(peer)   # the "done" call's connect and hello overlap the READ
         try:
             self._read(job, peer, local, remote, lease_id, on_chunk=verify_chunk)
-        finally:
+            read = [[i, r, h.hex()] for (i, _, h), r in zip(job.blocks, remote)]
+            verdict = self._call(peer, "done", {"lease_id": lease_id, "blocks": read}, done_conn).get("verdict")
+        finally:   # "done" concerns the peer's blocks only: the last chunks' hashes run during its round trip
+            if done_conn is not None:
+                done_conn.close()
             for _, _, fut in checks:   # no hash may still read the blocks once this load ends
                 fut.exception()
-        read = [[i, r, h.hex()] for (i, _, h), r in zip(job.blocks, remote)]
-        verdict = self._call(peer, "done", {"lease_id": lease_id, "blocks": read}).get("verdict")
         if verdict == "mismatch":
             raise CorruptBlock(f"prefill says the params of {p.get('remote_request_id')} do not match its lease")
         if verdict != "valid":
@@ -171,7 +193,13 @@ class NixlReader(LoadingConnector):
                     handle = self.agent.make_prepped_xfer("READ", self._local_descs, local[start:end], peer.descs,
                                                           remote[start:end])
                     inflight.append((start, end, handle))
-                    if self.agent.transfer(handle) not in ("PROC", "DONE"):
+                    state = self.agent.transfer(handle)
+                    if state == "DONE":   # one host: UCX copies with CMA inside the post, so hand the chunk to
+                        inflight.pop()    # its hash now, while the next chunk's copy runs (not after max_inflight)
+                        handle.release()
+                        if on_chunk is not None:
+                            on_chunk(start, end)
+                    elif state != "PROC":
                         raise PeerUnreachable(f"NIXL READ from {peer.agent_name} could not start")
                 for item in list(inflight):
                     state = self.agent.check_xfer_state(item[2])

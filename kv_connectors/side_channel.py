@@ -169,37 +169,83 @@ class SideChannelServer:
         self._server.server_close()
 
 
+class Opened:
+    """A connection whose server hello (nonce) is in, not yet used: :func:`opened` then ``request`` splits one
+    :func:`call` so that the connect and hello can happen before the request exists (e.g. while a READ runs; the
+    request stays bound to this connection's fresh nonces). One request per connection; ``close`` if unused."""
+
+    def __init__(self, host: str, port: int, token: bytes, timeout: float, client_id: str,
+                 server_engine_id: str | None) -> None:
+        self.host, self.port, self.token, self.timeout, self.client_id = host, port, token, timeout, client_id
+        self.opened_at = time.monotonic()
+        self.deadline = deadline = self.opened_at + timeout
+        self.sock: socket.socket | None = None
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+            hello = _recv(self.sock, deadline)
+            self.nonce_s, engine = hello["nonce"], hello.get("engine_id")
+            if not _nonce_ok(self.nonce_s) or hello.get("v") != VERSION or not isinstance(engine, str):
+                raise SideChannelError(f"side channel {host}:{port}: not a pdserve v{VERSION} side channel")
+            if server_engine_id is not None and engine != server_engine_id:
+                raise PeerUnreachable(f"engine {server_engine_id} is gone ({host}:{port} is now {engine})")
+        except BaseException as e:
+            self.close()
+            if isinstance(e, socket.timeout):
+                raise LoadTimeout(f"side channel {host}:{port}: no hello within {timeout}s") from e
+            if isinstance(e, (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException)):
+                raise PeerUnreachable(f"side channel {host}:{port}: {e!r}") from e
+            raise
+        self.server = identity(engine, host, port)
+
+    def fresh(self) -> bool:
+        """Still well inside the server's per-connection deadline (it closes idle connections after ``timeout``)."""
+        return self.sock is not None and time.monotonic() - self.opened_at < self.timeout / 2
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def request(self, op: str, body: dict | None = None, deadline: float | None = None) -> dict:
+        """Send ``[op, body]`` and return the authenticated answer, by ``deadline`` (default: ``timeout`` from now)."""
+        if self.sock is None:
+            raise PeerUnreachable(f"side channel {self.host}:{self.port} {op}: connection already used")
+        host, port, token, client_id, server = self.host, self.port, self.token, self.client_id, self.server
+        req = msgpack.packb([op, body or {}], use_bin_type=True)
+        try:
+            nonce_c = os.urandom(32)
+            _send(self.sock, {"req": req, "nonce": nonce_c, "from": client_id,
+                              "mac": _mac(token, "c2s", self.nonce_s, nonce_c, server, client_id, req)})
+            reply = _recv(self.sock, deadline or time.monotonic() + self.timeout)
+        except socket.timeout as e:
+            raise LoadTimeout(f"side channel {host}:{port} {op}: no answer within {self.timeout}s") from e
+        except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise PeerUnreachable(f"side channel {host}:{port} {op}: {e!r}") from e
+        finally:
+            self.close()
+        res, mac = (reply.get("res"), reply.get("mac")) if isinstance(reply, dict) else (None, None)
+        if not (isinstance(res, bytes) and isinstance(mac, bytes)):
+            error = reply.get("error") if isinstance(reply, dict) else None
+            raise SideChannelError(f"side channel {host}:{port} {op}: {error or 'malformed answer'}")
+        if not hmac.compare_digest(_mac(token, "s2c", self.nonce_s, nonce_c, server, client_id, [req, res]), mac):
+            raise SideChannelError(f"side channel {host}:{port} {op}: the answer is not authenticated (relay or "
+                                   f"forgery)")
+        answer = msgpack.unpackb(res, raw=False)
+        if not answer.get("ok"):
+            raise SideChannelError(f"side channel {host}:{port} {op}: {answer.get('error')}")
+        return answer["result"]
+
+
+def opened(host: str, port: int, token: bytes, timeout: float = 5.0, *, client_id: str = "pdserve",
+           server_engine_id: str | None = None) -> Opened:
+    """Connect and take the server's hello now; send one request later with ``.request(op, body)``."""
+    return Opened(host, port, token, timeout, client_id, server_engine_id)
+
+
 def call(host: str, port: int, token: bytes, op: str, body: dict | None = None, timeout: float = 5.0, *,
          client_id: str = "pdserve", server_engine_id: str | None = None) -> dict:
     """One authenticated request to the engine ``server_engine_id`` (None: whichever answers) at ``host:port``.
     Raises LoadTimeout, PeerUnreachable (including another engine answering there), or SideChannelError (an error
     answer, a rejected request, or an answer that does not authenticate)."""
-    req = msgpack.packb([op, body or {}], use_bin_type=True)
-    deadline = time.monotonic() + timeout
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            hello = _recv(sock, deadline)
-            nonce_s, engine = hello["nonce"], hello.get("engine_id")
-            if not _nonce_ok(nonce_s) or hello.get("v") != VERSION or not isinstance(engine, str):
-                raise SideChannelError(f"side channel {host}:{port}: not a pdserve v{VERSION} side channel")
-            if server_engine_id is not None and engine != server_engine_id:
-                raise PeerUnreachable(f"engine {server_engine_id} is gone ({host}:{port} is now {engine})")
-            server = identity(engine, host, port)
-            nonce_c = os.urandom(32)
-            _send(sock, {"req": req, "nonce": nonce_c, "from": client_id,
-                         "mac": _mac(token, "c2s", nonce_s, nonce_c, server, client_id, req)})
-            reply = _recv(sock, deadline)
-    except socket.timeout as e:
-        raise LoadTimeout(f"side channel {host}:{port} {op}: no answer within {timeout}s") from e
-    except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-        raise PeerUnreachable(f"side channel {host}:{port} {op}: {e!r}") from e
-    res, mac = (reply.get("res"), reply.get("mac")) if isinstance(reply, dict) else (None, None)
-    if not (isinstance(res, bytes) and isinstance(mac, bytes)):
-        error = reply.get("error") if isinstance(reply, dict) else None
-        raise SideChannelError(f"side channel {host}:{port} {op}: {error or 'malformed answer'}")
-    if not hmac.compare_digest(_mac(token, "s2c", nonce_s, nonce_c, server, client_id, [req, res]), mac):
-        raise SideChannelError(f"side channel {host}:{port} {op}: the answer is not authenticated (relay or forgery)")
-    answer = msgpack.unpackb(res, raw=False)
-    if not answer.get("ok"):
-        raise SideChannelError(f"side channel {host}:{port} {op}: {answer.get('error')}")
-    return answer["result"]
+    conn = opened(host, port, token, timeout, client_id=client_id, server_engine_id=server_engine_id)
+    return conn.request(op, body, conn.deadline)   # one deadline for the whole call

@@ -64,6 +64,15 @@ def cpu_packed_gemm() -> bool:
     return os.environ.get("PDSERVE_CPU_PACKED_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cpu_decode_attention() -> str:
+    """PDSERVE_CPU_DECODE_ATTENTION: ``paged`` (default: the C++ kernel reading K/V blocks in place,
+    kernels/paged_decode_cpu.py) or ``torch`` (padded gathers and GEMMs, kernels/torch_ref.py)."""
+    value = os.environ.get("PDSERVE_CPU_DECODE_ATTENTION", "paged").strip().lower() or "paged"
+    if value not in ("paged", "torch"):
+        raise ValueError(f"PDSERVE_CPU_DECODE_ATTENTION must be 'paged' or 'torch', not {value!r}")
+    return value
+
+
 def linear_method() -> str | None:
     """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
     ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""

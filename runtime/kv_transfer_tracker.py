@@ -113,8 +113,9 @@ class KVTransferTracker:
                 continue
             req = requests[rid]
             req.status = RequestStatus.WAITING
-            if not self._handle_invalid(req, req.num_computed_tokens + num_external):
-                req.num_computed_tokens += num_external
+            end = min(req.num_computed_tokens + num_external, req.num_tokens - 1)   # the last token is recomputed
+            if not self._handle_invalid(req, end):
+                req.num_computed_tokens = end
                 self.kv.cache_blocks(req, req.num_computed_tokens)
             if req.num_cached_tokens < 0 and not req.is_finished:
                 req.num_cached_tokens = req.num_computed_tokens

@@ -198,7 +198,9 @@ class Scheduler:
                         self.kv_transfers.start_load(req, num_external)
                         skipped.append(req)
                         continue
-                num_computed = num_local + num_external
+                # A load covering the whole prompt still leaves its last token to compute (its logits are needed):
+                # it is recomputed, rewriting its slot in the loaded last block.
+                num_computed = min(num_local + num_external, req.num_tokens - 1)
             else:
                 num_computed = req.num_computed_tokens
             num_new = req.num_tokens - num_computed
@@ -206,7 +208,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             num_new = min(num_new, budget)
-            num_slots = req.num_tokens - num_computed + num_external if num_external else num_new
+            num_slots = req.num_tokens - num_local if num_external else num_new
             if self.kv.allocate_slots(req, num_slots, hits) is None:
                 self.waiting.appendleft(req)
                 break

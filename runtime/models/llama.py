@@ -119,8 +119,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * r if h is x else h.mul_(r)   # a low-precision input's float copy is ours to scale in place
+        h = h.to(x.dtype)
+        return h.mul_(self.weight) if h.dtype == self.weight.dtype else self.weight * h   # same products, one buffer
 
 
 class Attention(nn.Module):
@@ -161,7 +163,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)   # 2 x (T, intermediate)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))   # in place: one (T, intermediate) buffer less
 
 
 class DecoderLayer(nn.Module):

@@ -44,6 +44,19 @@ STORE_MIDPIPE_FAULTS = ["corrupt", "truncate", "delete"]
 for f in STORE_MIDPIPE_FAULTS:   # a fresh prompt per fault: the decode side caches each prompt it ran
     TEXTS[f"midpipe-{f}"] = f"Mid-pipeline {f}: " + TEXTS["story"] + " " + TEXTS["list"]
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
+TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
+TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
+ALIGNED = 64                                                               # 4 full blocks, no partial one
+
+
+def _loaded(n: int) -> int:
+    """Prompt tokens a decode loads: every full block the prefill published (the last full one included)."""
+    return n // 16 * 16
+
+
+def _cached(n: int) -> int:
+    """Prompt tokens the decode counts as computed after the load: its last token is always recomputed (logits)."""
+    return min(_loaded(n), n - 1)
 
 
 def _greedy(n=MAX_TOKENS):
@@ -71,6 +84,9 @@ def reference():
     llm = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE)
     tok = llm.tokenizer
     prompts = {k: tok.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
+    for k in ("aligned", "aligned_bad"):
+        assert len(prompts[k]) > ALIGNED
+        prompts[k] = prompts[k][:ALIGNED]
     outs = _run(llm.engine, [(k, p, MAX_TOKENS, None) for k, p in prompts.items()])
     expected = {k: o.outputs[0].token_ids for k, o in outs.items()}
     llm.shutdown()
@@ -135,9 +151,9 @@ def test_pd_greedy_matches_monolithic(pair, reference):
     outs = pair.decode_run(batch, params)
     for k in PD_PROMPTS:
         assert outs[k].error is None and outs[k].outputs[0].token_ids == expected[k], k
-        assert outs[k].num_cached_tokens == (len(prompts[k]) - 1) // 16 * 16
+        assert outs[k].num_cached_tokens == _cached(len(prompts[k]))
     local_hits = len(prompts["warm"]) // 16
-    want = sum((len(prompts[k]) - 1) // 16 for k in PD_PROMPTS) - local_hits
+    want = sum(_loaded(len(prompts[k])) // 16 for k in PD_PROMPTS) - local_hits
     assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == want
     assert pair.decode.engine.get_stats().kv_load_failures == 0
 
@@ -215,8 +231,51 @@ def test_fault_recomputes_to_the_same_output(pair, reference, case):
     stats = pair.decode.engine.get_stats()
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     first_bad = 1 if fault in ("delete", "corrupt") else 0
-    loaded_end = (len(prompts[name]) - 1) // 16 * 16   # the loaded tokens from the first bad block on are redone
+    loaded_end = _cached(len(prompts[name]))   # the loaded tokens from the first bad block on are redone
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - first_bad * 16
+
+
+def test_block_aligned_prompt_loads_whole_and_recomputes_one_token(pair, reference):
+    """A prompt of exactly 4 full blocks: the decode loads all 4 (the last one too) and computes only the final
+    prompt token (for its logits), rewriting its slot; the output equals the monolithic engine's."""
+    prompts, expected = reference
+    prompt = {"aligned": prompts["aligned"]}
+    assert len(prompts["aligned"]) == ALIGNED
+    params = pair.handoff(prompt)["aligned"]
+    assert len(params["remote_block_ids"]) == ALIGNED // 16                  # the prefill published every full block
+    before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+    out = pair.decode_run(prompt, {"aligned": params})["aligned"]
+    assert out.error is None and out.outputs[0].token_ids == expected["aligned"]
+    assert out.num_cached_tokens == ALIGNED - 1                              # exactly one prompt token computed
+    assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == ALIGNED // 16
+    stats = pair.decode.engine.get_stats()
+    assert stats.prompt_tokens - stats0.prompt_tokens == 1
+    assert stats.kv_load_failures == stats0.kv_load_failures and stats.recomputed_tokens == stats0.recomputed_tokens
+
+
+def test_block_aligned_prompt_with_a_bad_last_block_is_cut_there(pair, reference):
+    """The last full block (the one holding the recomputed final token) fails verification: the decode keeps the 3
+    blocks before it and recomputes from the block's start, answering exactly as the monolithic engine."""
+    if pair.name != "nixl":
+        pytest.skip("changing a published block after the handoff needs the prefill's live KV cache (NIXL)")
+    prompts, expected = reference
+    prompt = {"aligned_bad": prompts["aligned_bad"]}
+    conn, src = pair.decode.engine.connector, pair.prefill.engine.connector
+    params = pair.handoff(prompt)["aligned_bad"]
+    victim = params["remote_block_ids"][-1]
+    saved = src.kv_cache[victim].clone()
+    src.kv_cache[victim].view(-1)[0] += 1.0          # the prompt's last block changes after the handoff
+    try:
+        before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+        out = pair.decode_run(prompt, {"aligned_bad": params})["aligned_bad"]
+    finally:
+        src.kv_cache[victim] = saved
+    assert out.error is None and out.outputs[0].token_ids == expected["aligned_bad"]
+    assert pair.metrics()["kv_load_failures{kind=corrupt}"] - before["kv_load_failures{kind=corrupt}"] == 1
+    stats = pair.decode.engine.get_stats()
+    assert stats.kv_load_failures - stats0.kv_load_failures == 1
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == (ALIGNED - 1) - (ALIGNED - 16)
+    assert stats.prompt_tokens - stats0.prompt_tokens == 16                 # the whole last block, no more
 
 
 def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
@@ -244,7 +303,7 @@ def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
     assert pair.metrics()["kv_load_failures{kind=corrupt}"] - before["kv_load_failures{kind=corrupt}"] == 1
     stats = pair.decode.engine.get_stats()
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
-    loaded_end = (len(prompts["midpipe"]) - 1) // 16 * 16
+    loaded_end = _cached(len(prompts["midpipe"]))
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
 
 

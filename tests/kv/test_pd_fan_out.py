@@ -70,11 +70,13 @@ def test_n_children_share_one_handoff_and_one_load(engines):
     for k in toks:
         assert _texts(got[f"d-{k}"]) == expected[k], k
     assert m["kv_loads"] - before.get("kv_loads", 0) == len(toks)            # child 0 only; siblings hit the cache
-    assert m["kv_blocks_loaded"] - before.get("kv_blocks_loaded", 0) == sum((len(t) - 1) // 16 for t in toks.values())
-    # Each child computes only the prompt's tail past its last full block: the siblings waited for child 0's load and
-    # found it in the prefix cache (computing the prompt themselves, or a failed read, would count more).
-    tails = sum(len(t) - (len(t) - 1) // 16 * 16 for t in toks.values())
-    assert stats.prompt_tokens - stats0.prompt_tokens == N * tails
+    assert m["kv_blocks_loaded"] - before.get("kv_blocks_loaded", 0) == sum(len(t) // 16 for t in toks.values())
+    # Each child computes only the prompt's tail: child 0 past its loaded full blocks (at least the last token), the
+    # siblings past the last full block before the final token, as they waited for child 0's load and found it in the
+    # prefix cache (computing the prompt themselves, or a failed read, would count more).
+    tails = sum(len(t) - min(len(t) // 16 * 16, len(t) - 1) + (N - 1) * (len(t) - (len(t) - 1) // 16 * 16)
+                for t in toks.values())
+    assert stats.prompt_tokens - stats0.prompt_tokens == tails
     assert stats.kv_load_failures == stats0.kv_load_failures
     assert stats.recomputed_tokens == stats0.recomputed_tokens
     assert not any(k.startswith("kv_load_failures") and v != before.get(k, 0) for k, v in m.items()), m

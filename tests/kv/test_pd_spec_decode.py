@@ -42,7 +42,8 @@ def test_decode_pod_speculates_after_kv_transfer(spec, tmp_path):
         _pump(prefill.engine)
         for k in prompts:
             assert outs[k].error is None and outs[k].outputs[0].token_ids == expected[k], k
-            assert outs[k].num_cached_tokens == (len(prompts[k]) - 1) // 16 * 16     # the prompt's KV came remote
+            # the prompt's KV came remote (every full block; the last prompt token is always recomputed)
+            assert outs[k].num_cached_tokens == min(len(prompts[k]) // 16 * 16, len(prompts[k]) - 1)
         assert decode.engine.connector.metrics()["kv_blocks_loaded"] > 0
         sd = decode.engine.get_stats().spec_decode
         assert sd.num_drafts > 0 and sd.num_accepted_tokens > 0, sd

@@ -1,0 +1,274 @@
+"""Paged decode attention on CPU: a torch C++ extension that reads K/V blocks in place through the block tables.
+
+One query token per sequence, ``q (B, H, D)``, over the first ``seq_lens[b]`` slots its block table names in one layer
+of the block-major cache ``kv_layer (num_blocks, 2, block_size, Hkv, D)`` (any block and K/V strides; each block's
+``(block_size, Hkv, D)`` contiguous). Per (sequence, KV head): the scores of the head's query group (GQA: each K/V row
+is loaded once for its G query heads), a float32 softmax, then the weighted sum of V, all accumulated in float32, for a
+float32 or bfloat16 cache. Work items are spread over torch's thread pool (``at::parallel_for``).
+
+Why: the torch path (kernels/torch_ref.py) gathers a padded copy of every context per layer, then multiplies
+block-diagonal queries (Hkv x the FLOPs) so that both products stay GEMMs: at 32 sequences that was the largest cost
+of a decode step outside the linears (``benchmarks/profile_step.py``). Reading each K/V row once, in place, moves a
+third of the bytes. Over a bf16 cache it rounds the scores and the probabilities to bf16 where the torch path's bf16
+GEMMs do, so that its bf16 output tracks the eager path's; it is not bit-equal to it (float32 sums in another order).
+tests/kernels/test_paged_decode_cpu.py checks it against float64 and the eager bf16 path; the engine's float32 greedy
+parity tests run on it.
+
+Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has them, a portable loop elsewhere. If the
+build fails the torch path is used (one warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pdserve.kernels import cpp_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PD_AVX512 1
+#endif
+
+namespace {
+
+// float -> the nearest bf16 (ties to even), kept as a float: how the torch path rounds its bf16 scores and probabilities
+inline float round_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&f, &u, 4); return f;
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+#ifdef PD_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the top half of the float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7);
+// 0 below -87, where e^x leaves float32's normal range
+inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+// Flush-to-zero / denormals-are-zero while a thread runs the kernel: peaked softmaxes leave probabilities whose
+// products with V are subnormal, and x86 takes a ~100x slower microcode path on every one of them.
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+#else
+struct FlushDenormals {};
+#endif
+
+struct Args {
+  const float* q; float* out; const int64_t* tables; const int64_t* lens;
+  int64_t B, H, Hkv, D, nb, bs, s_block, s_kv; float scale;
+};
+
+// Softmax of each of the G rows of sc (G x L), in place; with to_bf16, the probabilities rounded to bf16.
+void softmax_rows(float* sc, int64_t G, int64_t L, bool to_bf16) {
+  for (int64_t g = 0; g < G; g++) {
+    float* s = sc + g * L, m = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < L; t++) m = std::max(m, s[t]);
+    int64_t t = 0;
+#ifdef PD_AVX512
+    __m512 vs = _mm512_setzero_ps(), vm = _mm512_set1_ps(m);
+    for (; t + 16 <= L; t += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+      _mm512_storeu_ps(s + t, e);
+      vs = _mm512_add_ps(vs, e);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+#endif
+    for (; t < L; t++) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+    const float inv = 1.f / sum;
+    if (to_bf16)
+      for (t = 0; t < L; t++) s[t] = round_bf16(s[t] * inv);
+    else
+      for (t = 0; t < L; t++) s[t] *= inv;
+  }
+}
+
+// One (sequence b, KV head kh), any group size and head dim: its G query heads' scores over the context, softmax,
+// weighted V sum.
+template <typename KV>
+void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
+  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
+  const int64_t G = a.H / a.Hkv, D = a.D, L = a.lens[b], row = a.Hkv * D;
+  const float* q = a.q + (b * a.H + kh * G) * D;
+  const int64_t* table = a.tables + b * a.nb;
+  sc.resize(G * L);
+  for (int64_t t = 0; t < L; t++) {
+    const KV* k = kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
+    for (int64_t g = 0; g < G; g++) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; d++) s += q[g * D + d] * to_f(k[d]);
+      sc[g * L + t] = bf16 ? round_bf16(s) * a.scale : s * a.scale;
+    }
+  }
+  softmax_rows(sc.data(), G, L, bf16);
+  float* out = a.out + (b * a.H + kh * G) * D;
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t t = 0; t < L; t++) {
+    const KV* v = kv + a.s_kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t d = 0; d < D; d++) out[g * D + d] += sc[g * L + t] * to_f(v[d]);
+  }
+}
+
+#ifdef PD_AVX512
+// The same for a fixed group size G and head dim 16 * DV: the query group and the output accumulators live in
+// registers, and each K/V row is loaded (and converted) once for the whole group.
+template <typename KV, int G, int DV>
+void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
+  constexpr int64_t D = 16 * DV;
+  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
+  const int64_t L = a.lens[b], row = a.Hkv * D;
+  const float* q = a.q + (b * a.H + kh * G) * D;
+  const int64_t* table = a.tables + b * a.nb;
+  sc.resize(G * L);
+  __m512 qv[G][DV], x[DV];
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < DV; j++) qv[g][j] = _mm512_loadu_ps(q + g * D + 16 * j);
+  for (int64_t t = 0; t < L; t++) {
+    const KV* k = kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
+    for (int j = 0; j < DV; j++) x[j] = load16(k + 16 * j);
+    for (int g = 0; g < G; g++) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], x[0]);
+      for (int j = 1; j < DV; j++) acc = _mm512_fmadd_ps(qv[g][j], x[j], acc);
+      const float dot = _mm512_reduce_add_ps(acc);
+      sc[g * L + t] = (bf16 ? round_bf16(dot) : dot) * a.scale;
+    }
+  }
+  softmax_rows(sc.data(), G, L, bf16);
+  __m512 o[G][DV];
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < DV; j++) o[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t++) {
+    const KV* v = kv + a.s_kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
+    for (int j = 0; j < DV; j++) x[j] = load16(v + 16 * j);
+    for (int g = 0; g < G; g++) {
+      const __m512 p = _mm512_set1_ps(sc[g * L + t]);
+      for (int j = 0; j < DV; j++) o[g][j] = _mm512_fmadd_ps(p, x[j], o[g][j]);
+    }
+  }
+  float* out = a.out + (b * a.H + kh * G) * D;
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < DV; j++) _mm512_storeu_ps(out + g * D + 16 * j, o[g][j]);
+}
+#endif
+
+using ItemFn = void (*)(const Args&, const void*, int64_t, int64_t, std::vector<float>&);
+
+template <typename KV>
+ItemFn pick(int64_t G, int64_t D) {
+#ifdef PD_AVX512
+#define PD_FIXED(g, dv) \
+  if (G == g && D == 16 * dv) \
+    return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) { \
+      item_fixed<KV, g, dv>(a, (const KV*)kv, b, kh, sc); };
+  PD_FIXED(1, 4) PD_FIXED(2, 4) PD_FIXED(3, 4) PD_FIXED(4, 4) PD_FIXED(7, 4) PD_FIXED(8, 4)
+  PD_FIXED(1, 8) PD_FIXED(2, 8) PD_FIXED(3, 8) PD_FIXED(4, 8) PD_FIXED(7, 8) PD_FIXED(8, 8)
+#undef PD_FIXED
+#endif
+  return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
+    item<KV>(a, (const KV*)kv, b, kh, sc); };
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& tables, const at::Tensor& lens,
+                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 (B, H, D)");
+  TORCH_CHECK(kv_layer.dim() == 5, "kv_layer: (num_blocks, 2, block_size, Hkv, D)");
+  TORCH_CHECK(kv_layer.scalar_type() == at::kFloat || kv_layer.scalar_type() == at::kBFloat16, "kv: float32 or bf16");
+  const int64_t bs = kv_layer.size(2), Hkv = kv_layer.size(3), D = kv_layer.size(4), B = q.size(0), H = q.size(1);
+  TORCH_CHECK(kv_layer.stride(4) == 1 && kv_layer.stride(3) == D && kv_layer.stride(2) == Hkv * D,
+              "kv_layer: each block's (block_size, Hkv, D) contiguous");
+  TORCH_CHECK(q.size(2) == D && H % Hkv == 0, "q: head_dim of the cache, heads a multiple of the KV heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kLong && tables.is_contiguous(),
+              "tables: contiguous int64 (B, nb)");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "lens: contiguous int64 (B,)");
+  const int64_t nb = tables.size(1), num_blocks = kv_layer.size(0);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) {  // never read outside the cache: lengths within the table, ids within the cache
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * bs, "lens: 1..nb * block_size");
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; i++)
+      TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < num_blocks, "tables: block id out of range");
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const Args a{q.data_ptr<float>(), out.data_ptr<float>(), tp, lp, B, H, Hkv, D, nb, bs,
+               kv_layer.stride(0), kv_layer.stride(1), float(scale)};
+  const ItemFn fn = kv_layer.scalar_type() == at::kFloat ? pick<float>(H / Hkv, D) : pick<uint16_t>(H / Hkv, D);
+  const void* kv = kv_layer.data_ptr();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
+    std::vector<float> sc;
+    for (int64_t i = i0; i < i1; i++) fn(a, kv, i / Hkv, i % Hkv, sc);
+  });
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_paged_cpu, m) {
+  m.def("decode(Tensor q, Tensor kv_layer, Tensor tables, Tensor lens, float scale) -> Tensor");
+  m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the kernel; None when it works, else why it cannot be used."""
+    reason = cpp_build.build("pdserve_paged_cpu", SOURCE, cpp_build.simd_cflags(), "the paged decode attention kernel")
+    if reason:
+        log.warning("%s; CPU decode attention uses the torch path", reason)
+    return reason
+
+
+def enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention on ``device`` over a ``dtype`` cache runs this kernel (built, not switched off)."""
+    from pdserve.runtime import envs
+
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and envs.cpu_decode_attention() == "paged" and load_extension() is None)
+
+
+def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q (B, H, D) over each sequence's first ``lens[b]`` slots of the blocks ``tables[b]`` names -> (B, H, D), q's
+    dtype. ``tables`` (B, nb) and ``lens`` (B,) int64 and contiguous."""
+    if reason := load_extension():
+        raise RuntimeError(reason)
+    out = torch.ops.pdserve_paged_cpu.decode(q.float().contiguous(), kv_layer, tables, lens, scale)
+    return out.to(q.dtype)
