@@ -50,19 +50,24 @@ class DiskStore(BlockStore):
 
     def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
         written = 0
+        root, pid, tid = str(self.root), os.getpid(), threading.get_ident()
         try:
-            for h, header, payload in items:
-                path = self._path(h)
-                if path.parent.name not in self._dirs:
-                    path.parent.mkdir(exist_ok=True)
-                    self._dirs.add(path.parent.name)
-                tmp = path.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            for h, header, payload in items:   # plain str paths: pathlib's joins cost more than the write per block
+                name = h.hex()
+                sub = f"{root}/{name[:2]}"
+                if name[:2] not in self._dirs:
+                    os.makedirs(sub, exist_ok=True)
+                    self._dirs.add(name[:2])
+                tmp = f"{sub}/.tmp-{pid}-{tid}-{next(self._tmp_ids)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    with os.fdopen(fd, "wb", buffering=0) as f:
-                        if os.writev(f.fileno(), [header, payload]) != len(header) + len(payload):
-                            f.write(payload[f.tell() - len(header):])   # a short write (rare): finish it
-                    os.replace(tmp, path)
+                    try:
+                        n = os.writev(fd, [header, payload])
+                        while n < len(header) + len(payload):   # a short write (rare): finish it
+                            n += os.write(fd, payload[n - len(header):])
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, f"{sub}/{name}.kvb")
                 except BaseException:
                     os.unlink(tmp)
                     raise

@@ -40,6 +40,9 @@ FAULTS = ["delete", "corrupt", "fingerprint", "kill_redis", "lease_expired", "un
 for i, f in enumerate(FAULTS):
     TEXTS[f] = f"Case {i} ({f}): " + TEXTS["story"]
 TEXTS["midpipe"] = "Mid-pipeline case: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
+STORE_MIDPIPE_FAULTS = ["corrupt", "truncate", "delete"]
+for f in STORE_MIDPIPE_FAULTS:   # a fresh prompt per fault: the decode side caches each prompt it ran
+    TEXTS[f"midpipe-{f}"] = f"Mid-pipeline {f}: " + TEXTS["story"] + " " + TEXTS["list"]
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
 TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
@@ -169,13 +172,21 @@ def _inject(pair, fault, params, prompts):
         path = next(pair.prefill.engine.connector.store.root.glob(f"*/{h}.kvb"))
         if fault == "delete":
             path.unlink()
+        elif fault == "truncate":
+            path.write_bytes(path.read_bytes()[:-100])
         else:
             data = bytearray(path.read_bytes())
             data[-100] ^= 0xFF
             path.write_bytes(bytes(data))
-    elif pair.name == "redis" and fault == "corrupt":
+    elif pair.name == "redis":
         client = redis.Redis.from_url(pair.server.url)
-        client.setrange(pair.prefill.engine.connector.store.key(bytes.fromhex(h)), 1000, b"\x00\x01\x02")
+        key = pair.prefill.engine.connector.store.key(bytes.fromhex(h))
+        if fault == "corrupt":
+            client.setrange(key, 1000, b"\x00\x01\x02")
+        elif fault == "truncate":
+            client.set(key, client.get(key)[:-100], keepttl=True)
+        else:
+            client.delete(key)
     return p
 
 
@@ -272,7 +283,7 @@ def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
     changes after the handoff. The decode engine uses the blocks before it, recomputes from it on, and answers exactly
     as the monolithic engine."""
     if pair.name != "nixl":
-        pytest.skip("the store connectors' mid-transfer failure is covered in test_redis_connector")
+        pytest.skip("the store connectors' cases: test_store_block_damaged_mid_pipeline_is_cut_and_recomputed")
     prompts, expected = reference
     prompt = {"midpipe": prompts["midpipe"]}
     conn, src = pair.decode.engine.connector, pair.prefill.engine.connector
@@ -293,6 +304,37 @@ def test_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference):
     stats = pair.decode.engine.get_stats()
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     loaded_end = _cached(len(prompts["midpipe"]))
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
+
+
+@pytest.mark.parametrize("fault", STORE_MIDPIPE_FAULTS)
+def test_store_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference, fault):
+    """Disk / Redis: the second block of a 4+-block handoff is corrupt, truncated or missing in the store while the
+    load runs in several pieces (Redis: one record per pipelined round trip, the next in flight while one is verified;
+    disk: parallel per-block reads). The block before it is used, the bad one and everything after it are recomputed,
+    never used: the output equals the monolithic engine's."""
+    if pair.name == "nixl":
+        pytest.skip("NIXL's case: test_block_damaged_mid_pipeline_is_cut_and_recomputed")
+    prompts, expected = reference
+    name = f"midpipe-{fault}"
+    prompt = {name: prompts[name]}
+    assert (len(prompts[name]) - 1) // 16 >= 3
+    conn = pair.decode.engine.connector
+    params = pair.handoff(prompt)[name]
+    params = _inject(pair, fault, params, prompts)
+    conn.fetch_chunk = 1
+    try:
+        before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+        out = pair.decode_run(prompt, {name: params})[name]
+    finally:
+        conn.fetch_chunk = 32
+    assert out.error is None and out.outputs[0].token_ids == expected[name]
+    kind = "missing" if fault == "delete" else "corrupt"
+    assert pair.metrics()[f"kv_load_failures{{kind={kind}}}"] - before[f"kv_load_failures{{kind={kind}}}"] == 1
+    assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] >= 1   # block 0 came from the store
+    stats = pair.decode.engine.get_stats()
+    assert stats.kv_load_failures - stats0.kv_load_failures == 1
+    loaded_end = (len(prompts[name]) - 1) // 16 * 16
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
 
 
