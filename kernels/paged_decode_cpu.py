@@ -147,6 +147,16 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
 }
 
 #ifdef PD_AVX512
+// Asks for block i's rows of one head (K or V: base) ahead of use. Consecutive blocks of a layer sit a whole block
+// apart (every layer's K and V in between), past any page the hardware prefetcher would follow.
+template <typename KV, int64_t D>
+inline void prefetch_block(const Args& a, const KV* base, const int64_t* table, int64_t i, int64_t L) {
+  if (i * a.bs >= L) return;
+  const char* p = (const char*)(base + table[i] * a.s_block);
+  for (int64_t r = 0; r < a.bs; r++)
+    for (int64_t o = 0; o < D * (int64_t)sizeof(KV); o += 64) _mm_prefetch(p + r * a.Hkv * D * sizeof(KV) + o, _MM_HINT_T0);
+}
+
 // The same for a fixed group size G and head dim 16 * DV: the query group and the output accumulators live in
 // registers, and each K/V row is loaded (and converted) once for the whole group.
 template <typename KV, int G, int DV>
@@ -161,6 +171,7 @@ void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<
   for (int g = 0; g < G; g++)
     for (int j = 0; j < DV; j++) qv[g][j] = _mm512_loadu_ps(q + g * D + 16 * j);
   for (int64_t t = 0; t < L; t++) {
+    if (t % a.bs == 0) prefetch_block<KV, D>(a, kv + kh * D, table, t / a.bs + 1, L);
     const KV* k = kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
     for (int j = 0; j < DV; j++) x[j] = load16(k + 16 * j);
     for (int g = 0; g < G; g++) {
@@ -175,6 +186,7 @@ void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<
   for (int g = 0; g < G; g++)
     for (int j = 0; j < DV; j++) o[g][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t++) {
+    if (t % a.bs == 0) prefetch_block<KV, D>(a, kv + a.s_kv + kh * D, table, t / a.bs + 1, L);
     const KV* v = kv + a.s_kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
     for (int j = 0; j < DV; j++) x[j] = load16(v + 16 * j);
     for (int g = 0; g < G; g++) {
