@@ -8,21 +8,12 @@ import pytest
 import torch
 
 from pdserve.kv_connectors import nixl_reader, side_channel
-from pdserve.kv_connectors.base import create_connector
-from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill
 from tests.support.deps import require
 
 require("nixl_cu12", "nixl-cu12 is not installed")
 
-TOKEN = "test-kv-token"
-PROMPT = list(range(7, 7 + 5 * BLOCK + 3))      # 5 full blocks + 3 tokens
-SRC, DST = [2, 4, 6, 8, 10, 12], [20, 21, 22, 23, 24, 25]
-
-
-def _conn(role, **extra):
-    c = create_connector("nixl", role, {"token": TOKEN, "load_timeout_s": 5, "handshake_timeout_s": 2, **extra}, SPEC)
-    c.register_kv_caches(make_cache(fill=role == "prefill"))
-    return c
+from tests.kv.conftest import Req, load, prefill  # noqa: E402
+from tests.kv.test_nixl_connector import DST, PROMPT, SRC, _conn  # noqa: E402  (the same connector pair setup)
 
 
 @pytest.fixture
