@@ -28,7 +28,9 @@ def simd_cflags(extra: tuple[str, ...] = ()) -> list[str]:
     flags, base = cpu_flags(), ["-O3", "-fopenmp"]
     if not {"avx512f", "avx512bw"} <= flags:
         return base
-    return [*base, "-mavx512f", "-mavx512bw", "-mfma", *(f"-m{f.replace('_', '')}" for f in extra if f in flags)]
+    gcc = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}  # else the flag's name without underscores
+    return [*base, "-mavx512f", "-mavx512bw", "-mfma",
+            *(gcc.get(f, f"-m{f.replace('_', '')}") for f in extra if f in flags)]
 
 
 def build(prefix: str, source: str, cflags: list[str], what: str) -> str | None:

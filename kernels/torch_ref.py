@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.base import (AttentionBackend, AttentionMetadata, kv_token_rows, kv_write_rows, register_backend,
                                   write_kv_rows)
+from pdserve.kernels import paged_prefill_cpu
 from pdserve.kernels.paged_decode_cpu import enabled, paged_decode
 
 
@@ -93,15 +94,29 @@ class StepPlan:
     prefills: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len) of sequences with > 1 new token
     kv_rows: torch.Tensor | None = None        # (2T,) cache rows of the new tokens' K then V (base.kv_write_rows)
     paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # all decodes' (rows, tables, lens): the kernel
+    paged_prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # all prefills' (tables, (row, q_len, seq_len)) rows
     masks: dict[int, torch.Tensor] | None = field(default_factory=dict)  # seq -> its chunk's causal mask, built once
 
 
 def plan_step(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float = 1.25,
-              paged: bool = False) -> StepPlan:
+              paged: bool = False, paged_prefill: bool = False) -> StepPlan:
     """Split decodes into length buckets so that padded slots stay within ``max_padding`` x the real context; with
-    ``paged``, all decodes in one set for the paged kernel instead (no padding, no buckets)."""
+    ``paged``, all decodes in one set for the paged kernel instead (no padding, no buckets); with ``paged_prefill``,
+    all prefill chunks in one set for the paged prefill kernel."""
     starts = _cumsum(meta.query_lens_cpu)
     prefills = [(s, starts[s], n, meta.seq_lens_cpu[s]) for s, n in enumerate(meta.query_lens_cpu) if n > 1]
+    plan = _plan_decodes(meta, block_size, device, max_padding, paged, starts, prefills)
+    if paged_prefill and prefills:
+        nb = -(-max(p[3] for p in prefills) // block_size)
+        idx = torch.tensor([p[0] for p in prefills], device=device)
+        plan.paged_prefill = (meta.block_tables[idx, :nb].long().contiguous(),
+                              torch.tensor([p[1:] for p in prefills], device=device, dtype=torch.long))
+        plan.prefills = []
+    return plan
+
+
+def _plan_decodes(meta: AttentionMetadata, block_size: int, device: torch.device, max_padding: float, paged: bool,
+                  starts: list[int], prefills: list[tuple[int, int, int, int]]) -> StepPlan:
     if paged:
         seqs = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
         if not seqs:
@@ -169,6 +184,8 @@ def paged_attention_ref(
     group = q.shape[1] // kv_layer.shape[3]
     plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
     out = torch.empty_like(q)
+    if plan.paged_prefill is not None:
+        paged_prefill_cpu.paged_prefill(q.contiguous(), out, kv_layer, *plan.paged_prefill, scale)
     if plan.paged is not None:
         rows, tables, lens = plan.paged
         out.index_copy_(0, rows, paged_decode(q.index_select(0, rows), kv_layer, tables, lens, scale))
@@ -225,7 +242,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_layer, meta, scale):
         if self._plan is None or self._plan[0] is not meta:
-            plan = plan_step(meta, kv_layer.shape[2], q.device, paged=enabled(kv_layer.device, kv_layer.dtype))
+            plan = plan_step(meta, kv_layer.shape[2], q.device, paged=enabled(kv_layer.device, kv_layer.dtype),
+                             paged_prefill=q.dtype == kv_layer.dtype and paged_prefill_cpu.enabled(
+                                 kv_layer.device, kv_layer.dtype, kv_layer.shape[-1]))
             plan.kv_rows = kv_write_rows(kv_layer, meta.slot_mapping)   # the same rows in every layer's view
             self._plan = (meta, plan)
         plan, rows = self._plan[1], kv_token_rows(kv_layer)

@@ -73,6 +73,15 @@ def cpu_decode_attention() -> str:
     return value
 
 
+def cpu_prefill_attention() -> str:
+    """PDSERVE_CPU_PREFILL_ATTENTION: ``paged`` (default: the bf16 C++ kernel reading K/V blocks in place,
+    kernels/paged_prefill_cpu.py, where the CPU has AVX512-BF16) or ``torch`` (SDPA per sequence, kernels/torch_ref.py)."""
+    value = os.environ.get("PDSERVE_CPU_PREFILL_ATTENTION", "paged").strip().lower() or "paged"
+    if value not in ("paged", "torch"):
+        raise ValueError(f"PDSERVE_CPU_PREFILL_ATTENTION must be 'paged' or 'torch', not {value!r}")
+    return value
+
+
 def linear_method() -> str | None:
     """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
     ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pdserve.kernels import paged_decode_cpu, torch_ref
+from tests.support.forced_sampler import ForcedSampler
 
 CPU = torch.device("cpu")
 BUILD = paged_decode_cpu.load_extension()
@@ -124,31 +125,11 @@ def test_portable_path_builds_and_matches():
     assert float(out.stdout.strip().splitlines()[-1]) <= 4e-6
 
 
-class _ForcedSampler:
-    """Samples as the engine would, records that token, then returns the reference run's token instead, so that
-    both runs see the same contexts (teacher forcing): a rounding difference early cannot cascade into later ones."""
-
-    def __init__(self, inner, reference: dict[str, list[int]] | None) -> None:
-        self.inner, self.reference, self.chosen = inner, reference, {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __call__(self, logits, meta):
-        from pdserve.runtime.sched_output import SampledToken
-
-        out = []
-        for rid, tok in zip(meta.req_ids, self.inner(logits, meta)):
-            chosen = self.chosen.setdefault(rid, [])
-            chosen.append(tok.token_id)
-            out.append(tok if self.reference is None else SampledToken(self.reference[rid][len(chosen) - 1]))
-        return out
-
-
 @pytest.fixture(scope="module")
 def greedy_runs():
     """Greedy tokens of 8 prompts from a bf16 engine on the torch decode path, then the kernel's top-1 choices on
-    the same contexts (same weights), counting the kernel's calls."""
+    the same contexts (same weights), counting the kernel's calls. Prefills run torch's SDPA in both runs, so that
+    only the decode path differs (the prefill kernel has its own test: tests/kernels/test_paged_prefill_cpu.py)."""
     from pdserve.runtime import LLM, SamplingParams
 
     mp = pytest.MonkeyPatch()
@@ -159,13 +140,14 @@ def greedy_runs():
                "Q: Why is the sky blue?\nA:", "Translate to French: good morning", "The three primary colors are",
                "import numpy as np\n"]
     runs, reference = {}, None
+    mp.setenv("PDSERVE_CPU_PREFILL_ATTENTION", "torch")
     try:
         for path in ("torch", "paged"):
             mp.setenv("PDSERVE_CPU_DECODE_ATTENTION", path)
             llm = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks=64)
             try:
                 engine = llm.engine
-                engine.runner.sampler = sampler = _ForcedSampler(engine.runner.sampler, reference)
+                engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
                 for i, prompt in enumerate(prompts):
                     engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                 while engine.has_unfinished_requests():

@@ -1,0 +1,38 @@
+"""C++ snippets shared by the CPU attention kernels (kernels/paged_decode_cpu.py, kernels/paged_prefill_cpu.py).
+
+``AVX512_HELPERS`` (inside ``#ifdef PD_AVX512``, after ``<immintrin.h>``): ``load16`` (16 floats or bf16s as floats),
+``exp16`` (e^x for x <= 0, 0 below -87) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
+"""
+
+AVX512_HELPERS = r"""
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the top half of the float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7);
+// 0 below -87, where e^x leaves float32's normal range
+inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+// Flush-to-zero / denormals-are-zero while a thread runs the kernel: peaked softmaxes leave probabilities whose
+// products with V are subnormal, and x86 takes a ~100x slower microcode path on every one of them.
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+"""

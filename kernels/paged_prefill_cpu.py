@@ -1,0 +1,304 @@
+"""Paged prefill attention on CPU (bf16 cache, AMX): a torch C++ extension, flash-style, K/V read in place.
+
+Every prefill chunk of a step in one call: sequence ``s``'s ``q_len`` new queries (rows ``q0 .. q0 + q_len`` of
+``q (T, H, D)``) attend causally over the first ``seq_len`` slots its block table names in one layer of the block-major
+cache ``kv_layer (num_blocks, 2, block_size, Hkv, D)``, query ``i`` sitting at position ``seq_len - q_len + i`` (so a
+chunk that continues a cached prefix needs no mask tensor and no gathered copy of the context).
+
+How: per (sequence, KV head), K and V are first repacked once into the pair-interleaved layout AMX's ``tdpbf16ps``
+takes (zero-padded to 64 keys). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans
+heads and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the masked float32 softmax on
+AVX-512, P (rounded to bf16, as torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks
+past a tile's last position are skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
+costly late tiles are shared. Each thread puts back the tile configuration it found (oneDNN's GEMMs use AMX too).
+
+Why: torch's CPU SDPA ran these shapes (head_dim 64, GQA, a few hundred tokens) at 30-120 GFLOP/s, and a chunk that
+continues a cached prefix also paid a gathered copy of its context and a mask tensor per layer; prefill attention was
+the largest cost of the mixed serving workload after the linears. AVX512-BF16's ``vdpbf16ps`` was tried first: it
+issues at a quarter of the FMA rate on this CPU (45 GFLOP/s a core), slower than SDPA; one AMX tile product is ~870.
+tests/kernels/test_paged_prefill_cpu.py checks it against float64 and torch's bf16 SDPA.
+
+Built on first use (kernels/cpp_build.py) where the CPU has AMX-BF16 and the OS grants it, for head_dim 64; elsewhere,
+on a build failure or with ``PDSERVE_CPU_PREFILL_ATTENTION=torch``, prefills run torch's SDPA (kernels/torch_ref.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pdserve.kernels import cpp_build
+from pdserve.kernels.cpu_simd import AVX512_HELPERS
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PD_AVX512 1
+#endif
+
+namespace {
+#ifdef PD_AVX512
+""" + AVX512_HELPERS + r"""
+
+struct Seq { int64_t q0, q_len, len; const int64_t* table; uint32_t* k; uint32_t* v; };  // k, v: its packed K/V
+struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv; float scale; };
+
+inline int64_t chunks(int64_t len) { return (len + 63) / 64; }
+
+// One (sequence, KV head)'s K and V, zero-padded to whole 64-key chunks, as vdpbf16ps pairs them: K as [key tile of
+// 16][dim pair p][key] words (k[2p], k[2p+1]); V as [key pair w][dim] words (v_2w[d], v_2w+1[d]).
+template <int D>
+void pack(const Args& a, const Seq& s, int64_t kh) {
+  const int64_t keys = chunks(s.len) * 64, row = a.Hkv * D;
+  uint16_t* v16 = (uint16_t*)s.v;
+  for (int64_t t = 0; t < keys; t++) {
+    uint32_t* kt = s.k + (t / 16) * (D / 2) * 16 + t % 16;
+    uint16_t* vt = v16 + (t / 2) * D * 2 + t % 2;
+    if (t >= s.len) {
+      for (int p = 0; p < D / 2; p++) kt[p * 16] = 0;
+      for (int d = 0; d < D; d++) vt[d * 2] = 0;
+      continue;
+    }
+    const uint16_t* k = a.kv + s.table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
+    const uint32_t* k32 = (const uint32_t*)k;
+    for (int p = 0; p < D / 2; p++) kt[p * 16] = k32[p];
+    const uint16_t* v = k + a.s_kv;
+    for (int d = 0; d < D; d++) vt[d * 2] = v[d];
+  }
+}
+
+// R query rows of one (sequence, KV head), rows f0 .. f0 + R of its (query, head-in-group) pairs (f = i * G + g);
+// rows past the end repeat the last one and are not stored.
+// AMX tiles for one thread: every tile 16 rows of 64 bytes (16 x 32 bf16 as pairs for A and B, 16 x 16 floats
+// for C). Whatever configuration the thread had (oneDNN's) is put back afterwards.
+struct Tiles {
+  struct Config { uint8_t palette = 1, start = 0, pad[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
+  alignas(64) Config saved;
+  Tiles() {
+    _tile_storeconfig(&saved);
+    Config c;
+    for (int i = 0; i < 8; i++) { c.colsb[i] = 64; c.rows[i] = 16; }
+    _tile_loadconfig(&c);
+  }
+  ~Tiles() { if (saved.palette) _tile_loadconfig(&saved); else _tile_release(); }
+};
+
+// Linux hands out AMX state only to a process that asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// One thread's scratch: the tile's query rows, a chunk's scores (then its P @ V), bf16 probabilities, the output sums.
+struct Scratch {
+  alignas(64) uint16_t q[16][64];
+  alignas(64) float sc[16][64];
+  alignas(64) uint32_t p[16][32];
+  alignas(64) float o[16][64];
+};
+
+// 16 query rows of one (sequence, KV head), head_dim 64: rows f0 .. f0 + 16 of its (query, head-in-group) pairs
+// (f = i * G + g); rows past the end repeat the last one and are not stored. Per 64-key chunk: S = Q K^T on AMX
+// (tmm0-1 Q, tmm2-5 S, tmm6-7 K), the online softmax on AVX-512, then P V on AMX (tmm0-1 P, tmm2-5 P V, tmm6-7 V).
+void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
+  constexpr int D = 64;
+  const int64_t nf = s.q_len * a.G;
+  int64_t pos[16];
+  float m[16], l[16], alpha[16];
+  for (int r = 0; r < 16; r++) {
+    const int64_t f = std::min(f0 + r, nf - 1), i = f / a.G, g = f % a.G;
+    std::memcpy(w.q[r], a.q + ((s.q0 + i) * a.H + kh * a.G + g) * D, D * 2);
+    pos[r] = s.len - s.q_len + i;
+    m[r] = -INFINITY; l[r] = 0.f;
+    for (int j = 0; j < D / 16; j++) _mm512_store_ps(w.o[r] + 16 * j, _mm512_setzero_ps());
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t nc = pos[15] / 64 + 1;
+  for (int64_t c = 0; c < nc; c++) {
+    const uint32_t* kc = s.k + c * 64 * (D / 2);   // key tile j, dims 32h..: kc + (j * 32 + 16 * h) * 16 words
+    _tile_loadd(0, w.q[0], D * 2);
+    _tile_loadd(1, w.q[0] + 32, D * 2);
+    _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+#define PD_QK(j, t) _tile_loadd(6, kc + (j * 32) * 16, 64); _tile_loadd(7, kc + (j * 32 + 16) * 16, 64); \
+    _tile_dpbf16ps(t, 0, 6); _tile_dpbf16ps(t, 1, 7);
+    PD_QK(0, 2) PD_QK(1, 3) PD_QK(2, 4) PD_QK(3, 5)  // tile numbers: literals (the intrinsics paste them)
+#undef PD_QK
+    _tile_stored(2, w.sc[0], 256); _tile_stored(3, w.sc[0] + 16, 256);
+    _tile_stored(4, w.sc[0] + 32, 256); _tile_stored(5, w.sc[0] + 48, 256);
+    for (int r = 0; r < 16; r++) {
+      __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < 4; j++) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
+        const __mmask16 live = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r])));
+        x[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(w.sc[r] + 16 * j), _mm512_set1_ps(a.scale));
+        mx = _mm512_max_ps(mx, x[j]);
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      alpha[r] = std::exp(m[r] - m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 4; j++) {
+        x[j] = exp16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
+        sum = _mm512_add_ps(sum, x[j]);
+      }
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+      _mm512_store_si512(w.p[r], (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+      _mm512_store_si512(w.p[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+    }
+    const uint32_t* vc = s.v + c * 32 * D;   // key pairs 16h.., dims 16j..: vc + 16 * h * D + 16 * j words
+    _tile_loadd(0, w.p[0], 128);
+    _tile_loadd(1, w.p[0] + 16, 128);
+    _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+#define PD_PV(j, t) _tile_loadd(6, vc + 16 * j, D * 4); _tile_loadd(7, vc + 16 * D + 16 * j, D * 4); \
+    _tile_dpbf16ps(t, 0, 6); _tile_dpbf16ps(t, 1, 7);
+    PD_PV(0, 2) PD_PV(1, 3) PD_PV(2, 4) PD_PV(3, 5)
+#undef PD_PV
+    _tile_stored(2, w.sc[0], 256); _tile_stored(3, w.sc[0] + 16, 256);
+    _tile_stored(4, w.sc[0] + 32, 256); _tile_stored(5, w.sc[0] + 48, 256);
+    for (int r = 0; r < 16; r++) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int j = 0; j < 4; j++)
+        _mm512_store_ps(w.o[r] + 16 * j, _mm512_fmadd_ps(_mm512_load_ps(w.o[r] + 16 * j), al, _mm512_load_ps(w.sc[r] + 16 * j)));
+    }
+  }
+  for (int r = 0; r < 16 && f0 + r < nf; r++) {
+    const int64_t i = (f0 + r) / a.G, g = (f0 + r) % a.G;
+    uint16_t* out = a.out + ((s.q0 + i) * a.H + kh * a.G + g) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int j = 0; j < 4; j++)
+      _mm256_storeu_si256((__m256i*)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(w.o[r] + 16 * j), inv)));
+  }
+}
+
+void run(const Args& a, std::vector<Seq>& seqs) {
+  constexpr int D = 64, R = 16;
+  std::vector<std::pair<int64_t, int64_t>> packs, tiles;  // (seq, kv head); (seq * Hkv + kv head, first row)
+  for (int64_t s = 0; s < (int64_t)seqs.size(); s++)
+    for (int64_t kh = 0; kh < a.Hkv; kh++) {
+      packs.emplace_back(s, kh);
+      for (int64_t f0 = 0; f0 < seqs[s].q_len * a.G; f0 += R) tiles.emplace_back(s * a.Hkv + kh, f0);
+    }
+  int64_t words = 0;
+  for (const Seq& s : seqs) words += chunks(s.len) * 64 * D * a.Hkv;  // K and V: len * D / 2 words each
+  std::unique_ptr<uint32_t[]> buf(new uint32_t[words]);
+  std::vector<Seq> per(packs.size());
+  int64_t off = 0;
+  for (size_t i = 0; i < packs.size(); i++) {
+    per[i] = seqs[packs[i].first];
+    const int64_t n = chunks(per[i].len) * 32 * D;
+    per[i].k = buf.get() + off; per[i].v = buf.get() + off + n; off += 2 * n;
+  }
+  const int64_t nt = at::get_num_threads();
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {  // round-robin: neighbours cost alike
+    for (int64_t t = t0; t < t1; t++)
+      for (size_t i = t; i < per.size(); i += nt) pack<D>(a, per[i], packs[i].second);
+  });
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    FlushDenormals ftz;
+    Tiles amx;
+    Scratch w;
+    for (int64_t t = t0; t < t1; t++)
+      for (size_t i = t; i < tiles.size(); i += nt)
+        tile(a, per[tiles[i].first], tiles[i].first % a.Hkv, tiles[i].second, w);
+  });
+}
+#endif
+
+bool available() {
+#ifdef PD_AVX512
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// q, out (T, H, D) bf16; info (S, 3) int64 rows (first row, q_len, seq_len); tables (S, nb) int64.
+void prefill(const at::Tensor& q, at::Tensor out, const at::Tensor& kv_layer, const at::Tensor& tables,
+             const at::Tensor& info, double scale) {
+  TORCH_CHECK(available(), "the paged prefill kernel needs AMX-BF16 (built with it, granted by the kernel)");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: contiguous bf16 (T, H, D)");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(), "out: like q");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.scalar_type() == at::kBFloat16, "kv_layer: bf16 (num_blocks, 2, bs, Hkv, D)");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), bs = kv_layer.size(2), Hkv = kv_layer.size(3);
+  TORCH_CHECK(kv_layer.size(4) == D && kv_layer.stride(4) == 1 && kv_layer.stride(3) == D && kv_layer.stride(2) == Hkv * D,
+              "kv_layer: head_dim of q, each block's (block_size, Hkv, D) contiguous");
+  TORCH_CHECK(H % Hkv == 0, "q: heads a multiple of the KV heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables: contiguous int64 (S, nb)");
+  TORCH_CHECK(info.dim() == 2 && info.size(1) == 3 && info.size(0) == tables.size(0) && info.scalar_type() == at::kLong &&
+              info.is_contiguous(), "info: contiguous int64 (S, 3)");
+  const int64_t S = info.size(0), nb = tables.size(1), num_blocks = kv_layer.size(0);
+  const int64_t* ip = info.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  std::vector<Seq> seqs;
+  for (int64_t s = 0; s < S; s++) {  // never read or write outside q, out or the cache
+    const int64_t q0 = ip[3 * s], q_len = ip[3 * s + 1], len = ip[3 * s + 2];
+    TORCH_CHECK(q0 >= 0 && q_len >= 1 && q0 + q_len <= T, "info: query rows outside q");
+    TORCH_CHECK(len >= q_len && len <= nb * bs, "info: seq_len must be q_len..nb * block_size");
+    for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
+      TORCH_CHECK(tp[s * nb + b] >= 0 && tp[s * nb + b] < num_blocks, "tables: block id out of range");
+    seqs.push_back({q0, q_len, len, tp + s * nb, nullptr, nullptr});
+  }
+#ifdef PD_AVX512
+  const Args a{(const uint16_t*)q.data_ptr(), (uint16_t*)out.data_ptr(), (const uint16_t*)kv_layer.data_ptr(),
+               H, Hkv, H / Hkv, bs, kv_layer.stride(0), kv_layer.stride(1), float(scale)};
+  TORCH_CHECK(D == 64, "head_dim must be 64");
+  run(a, seqs);
+#endif
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_prefill_cpu, m) {
+  m.def("available() -> bool", &available);
+  m.def("prefill(Tensor q, Tensor(a!) out, Tensor kv_layer, Tensor tables, Tensor info, float scale) -> ()");
+  m.impl("prefill", c10::DispatchKey::CPU, TORCH_FN(prefill));
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the kernel; None when it works here, else why it cannot be used."""
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if not {"avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags():
+        return "the CPU has no AMX-BF16"
+    reason = cpp_build.build("pdserve_prefill_cpu", SOURCE, cpp_build.simd_cflags(("avx512_bf16", "amx_tile", "amx_bf16")),
+                             "the paged prefill attention kernel")
+    if reason is None and not torch.ops.pdserve_prefill_cpu.available():
+        reason = "AMX is not available to this process (built without it, or not granted by the OS)"
+    if reason:
+        log.warning("%s; CPU prefill attention uses torch's SDPA", reason)
+    return reason
+
+
+def enabled(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill attention on ``device`` over a ``dtype`` cache runs this kernel (bf16, head_dim 64, built, not
+    switched off)."""
+    from pdserve.runtime import envs
+
+    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim == 64 and envs.cpu_prefill_attention() == "paged"
+            and load_extension() is None)
+
+
+def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
+                  info: torch.Tensor, scale: float) -> None:
+    """Writes the causal attention of each sequence's new queries into its rows of ``out``: q, out (T, H, D) bf16 and
+    contiguous; ``info`` (S, 3) int64 rows (first row, q_len, seq_len); ``tables`` (S, nb) int64 block ids."""
+    if reason := load_extension():
+        raise RuntimeError(reason)
+    torch.ops.pdserve_prefill_cpu.prefill(q, out, kv_layer, tables, info, scale)

@@ -1,0 +1,189 @@
+"""The paged prefill-attention CPU kernel (kernels/paged_prefill_cpu.py, bf16 on AMX): against a float64 reference on
+ragged prompts and on chunks that continue a cached prefix, with poisoned unused slots; rows of other sequences are
+never written; bad tables and rows are errors; the AMX tile state it borrows is handed back (oneDNN's bf16 GEMMs
+right after it stay exact); the engine runs it by default in bf16 (chunked prefill included) and its greedy choices
+agree with torch's SDPA path on >= 99% of positions, teacher-forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import paged_prefill_cpu
+from tests.support.forced_sampler import ForcedSampler
+
+CPU = torch.device("cpu")
+BUILD = paged_prefill_cpu.load_extension()
+needs_kernel = pytest.mark.skipif(BUILD is not None, reason=f"kernel not built here: {BUILD}")
+BS = 16
+
+
+def _case(heads, kv_heads, chunks, seed=0, head_dim=64):
+    """A bf16 block-major cache layer with NaN in every slot no sequence uses, and for each (q_len, seq_len) chunk its
+    block table, its query rows (one unused row between sequences) and an ``info`` row (first row, q_len, seq_len)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = max(-(-n // BS) for _, n in chunks) + 1
+    num_blocks = len(chunks) * nb + 8
+    cache = torch.full((num_blocks, 3, 2, BS, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(chunks) * nb].view(len(chunks), nb).contiguous()
+    info, row = [], 0
+    for s, (q_len, n) in enumerate(chunks):
+        for i in range(-(-n // BS)):
+            used = min(BS, n - i * BS)
+            cache[tables[s, i], 1, :, :used] = torch.randn(2, used, kv_heads, head_dim, generator=gen).bfloat16()
+        info.append([row, q_len, n])
+        row += q_len + 1
+    q = torch.randn(row, heads, head_dim, generator=gen).bfloat16()
+    return q, cache[:, 1], tables, torch.tensor(info)
+
+
+def _reference(q, kv, tables, info, scale):
+    """float64 causal attention of each chunk's rows -> {first row: (q_len, H, D)}."""
+    group = q.shape[1] // kv.shape[3]
+    out = {}
+    for s, (r0, q_len, n) in enumerate(info.tolist()):
+        blocks = tables[s, :-(-n // BS)]
+        k = kv[blocks, 0].flatten(0, 1)[:n].double().repeat_interleave(group, 1)   # (n, H, D)
+        v = kv[blocks, 1].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,lhd->hql", q[r0:r0 + q_len].double(), k) * scale
+        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[r0] = torch.einsum("hql,lhd->qhd", p, v)
+    return out
+
+
+def _run(q, kv, tables, info, scale=0.125):
+    out = torch.full_like(q, 7.0)   # rows no chunk owns must keep this
+    paged_prefill_cpu.paged_prefill(q, out, kv, tables, info, scale)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+def test_kernel_matches_float64(heads, kv_heads):
+    # whole prompts of every size around the 16-row tile and 64-key chunk, and chunks continuing a cached prefix
+    chunks = [(2, 2), (5, 5), (16, 16), (17, 17), (63, 63), (64, 64), (65, 65), (130, 130), (37, 250), (1, 70),
+              (64, 200)]
+    q, kv, tables, info = _case(heads, kv_heads, chunks)
+    out = _run(q, kv, tables, info)
+    ref = _reference(q, kv, tables, info, 0.125)
+    owned = torch.zeros(q.shape[0], dtype=torch.bool)
+    for r0, want in ref.items():
+        got = out[r0:r0 + want.shape[0]].double()
+        assert torch.isfinite(got).all()
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-2   # the bf16 output's own rounding
+        owned[r0:r0 + want.shape[0]] = True
+    assert (out[~owned] == 7.0).all()
+
+
+@needs_kernel
+def test_no_worse_than_torch_sdpa_in_bf16():
+    """The same inputs through torch's bf16 SDPA: the kernel's error vs float64 is of the same size."""
+    q, kv, tables, info = _case(9, 3, [(300, 300), (48, 400)], seed=1)
+    out, ref = _run(q, kv, tables, info), _reference(q, kv, tables, info, 0.125)
+    for s, (r0, q_len, n) in enumerate(info.tolist()):
+        blocks = tables[s, :-(-n // BS)]
+        k, v = (kv[blocks, i].flatten(0, 1)[:n].transpose(0, 1) for i in (0, 1))
+        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        sdpa = F.scaled_dot_product_attention(q[r0:r0 + q_len].transpose(0, 1), k, v, attn_mask=visible, scale=0.125,
+                                              enable_gqa=True).transpose(0, 1)
+        ours = float((out[r0:r0 + q_len].double() - ref[r0]).abs().max())
+        theirs = float((sdpa.double() - ref[r0]).abs().max())
+        assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+@needs_kernel
+def test_peaked_scores_over_a_long_context():
+    """One key dominating by a logit gap far past float32's exp range, 1,000 keys: the online softmax's rescaling."""
+    q, kv, tables, info = _case(9, 3, [(40, 1000)])
+    kv[tables[0, 2], 0, 3] = q[20].view(3, 3, 64)[:, 0] * 40    # key 35 matches row 20's head-0 query hard
+    out, ref = _run(q, kv, tables, info), _reference(q, kv, tables, info, 0.125)[0]
+    assert torch.isfinite(out[:40]).all()
+    assert float((out[:40].double() - ref).abs().max() / ref.abs().max()) <= 1e-2
+
+
+@needs_kernel
+def test_bad_tables_and_rows_are_errors_not_reads_out_of_bounds():
+    q, kv, tables, info = _case(9, 3, [(20, 20), (5, 40)])
+    bad = tables.clone()
+    bad[1, 2] = kv.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        _run(q, kv, bad, info)
+    for row, match in (([0, 20, tables.shape[1] * BS + 1], "seq_len"), ([0, 20, 19], "seq_len"),
+                       ([q.shape[0] - 3, 5, 40], "query rows"), ([0, 0, 5], "query rows")):
+        with pytest.raises(RuntimeError, match=match):
+            _run(q, kv, tables, torch.tensor([row, info[1].tolist()]))
+
+
+@needs_kernel
+def test_onednn_bf16_gemms_right_after_it_stay_exact():
+    """The kernel configures AMX tiles on torch's threads; oneDNN's bf16 GEMMs (AMX here) run on the same threads."""
+    gen = torch.Generator().manual_seed(3)
+    a, w = (torch.randn(64, 576, generator=gen).bfloat16(), torch.randn(1536, 576, generator=gen).bfloat16())
+    want = F.linear(a.float(), w.float())
+    q, kv, tables, info = _case(9, 3, [(100, 100)])
+    for _ in range(3):
+        _run(q, kv, tables, info)
+        assert torch.allclose(F.linear(a, w).float(), want, rtol=1e-2, atol=0.5)
+
+
+def test_switch_dtype_and_head_dim(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_ATTENTION", "torch")
+    assert not paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64)
+    monkeypatch.setenv("PDSERVE_CPU_PREFILL_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_PREFILL_ATTENTION"):
+        paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64)
+    monkeypatch.delenv("PDSERVE_CPU_PREFILL_ATTENTION")
+    assert paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64) is (BUILD is None)
+    assert not paged_prefill_cpu.enabled(CPU, torch.float32, 64)     # float32 keeps SDPA (transformers parity)
+    assert not paged_prefill_cpu.enabled(CPU, torch.bfloat16, 128)
+    monkeypatch.setattr(paged_prefill_cpu, "load_extension", lambda: "no compiler")
+    assert not paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64)
+
+
+@pytest.fixture(scope="module")
+def greedy_runs():
+    """Greedy tokens of 6 prompts (44-300 tokens, prefilled in chunks of at most 64 tokens) from a bf16 engine with
+    prefills on torch's SDPA, then the kernel's top-1 choices on the same contexts; the kernel's calls recorded."""
+    from pdserve.runtime import LLM, SamplingParams
+
+    mp = pytest.MonkeyPatch()
+    calls = []
+    real = paged_prefill_cpu.paged_prefill
+    mp.setattr(paged_prefill_cpu, "paged_prefill", lambda *a: calls.append(a[4].tolist()) or real(*a))
+    words = ("the river ran past old stone mills where children counted boats and the wind carried songs of "
+             "harvest over fields of barley toward the distant sea").split()
+    prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(n))
+               for i, n in enumerate((40, 90, 150, 200, 250, 280))]
+    runs, reference = {}, None
+    try:
+        for path in ("torch", "paged"):
+            mp.setenv("PDSERVE_CPU_PREFILL_ATTENTION", path)
+            llm = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks=160, max_num_batched_tokens=64)
+            try:
+                engine = llm.engine
+                engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
+                for i, prompt in enumerate(prompts):
+                    engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                while engine.has_unfinished_requests():
+                    engine.step()
+                runs[path] = (sampler.chosen, list(calls))
+                reference = sampler.chosen
+            finally:
+                llm.shutdown()
+    finally:
+        mp.undo()
+    return runs
+
+
+@needs_kernel
+def test_engine_runs_the_kernel_and_agrees_with_sdpa(greedy_runs):
+    sdpa_tokens, sdpa_calls = greedy_runs["torch"]
+    tokens, calls = greedy_runs["paged"]
+    assert not sdpa_calls and calls
+    rows = [r for call in calls for r in call]
+    assert any(n > q_len > 1 for _, q_len, n in rows)     # chunks that continue a cached prefix ran on it
+    same = sum(a == b for rid in sdpa_tokens for a, b in zip(sdpa_tokens[rid], tokens[rid]))
+    total = sum(len(t) for t in sdpa_tokens.values())
+    assert total == 6 * 16 and same / total >= 0.99, f"{same}/{total} positions agree"
