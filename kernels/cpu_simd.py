@@ -2,6 +2,8 @@
 
 ``AVX512_HELPERS`` (inside ``#ifdef PD_AVX512``, after ``<immintrin.h>``): ``load16`` (16 floats or bf16s as floats),
 ``exp16`` (e^x for x <= 0, 0 below -87) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
+``AMX_HELPERS`` (after ``<sys/syscall.h>`` and ``<unistd.h>``, compiled with ``-mamx-tile -mamx-bf16``): ``Tiles``
+(a thread's AMX tile configuration for a scope, every tile 16 x 64 bytes) and ``amx_permitted`` (asks Linux for AMX).
 """
 
 AVX512_HELPERS = r"""
@@ -35,4 +37,27 @@ struct FlushDenormals {
   FlushDenormals() { _mm_setcsr(saved | 0x8040); }
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
+"""
+
+AMX_HELPERS = r"""
+// AMX tiles for one thread: every tile 16 rows of 64 bytes (16 x 32 bf16 as pairs for A and B, 16 x 16 floats
+// for C). Whatever configuration the thread had (oneDNN's) is put back afterwards.
+struct Tiles {
+  struct Config { uint8_t palette = 1, start = 0, pad[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
+  alignas(64) Config saved;
+  Tiles() {
+    _tile_storeconfig(&saved);
+    Config c;
+    for (int i = 0; i < 8; i++) { c.colsb[i] = 64; c.rows[i] = 16; }
+    _tile_loadconfig(&c);
+  }
+  ~Tiles() { if (saved.palette) _tile_loadconfig(&saved); else _tile_release(); }
+};
+
+// Linux hands out AMX state only to a process that asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
 """

@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pdserve.kernels import cpp_build
-from pdserve.kernels.cpu_simd import AVX512_HELPERS
+from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ SOURCE = r"""
 
 namespace {
 #ifdef PD_AVX512
-""" + AVX512_HELPERS + r"""
+""" + AVX512_HELPERS + AMX_HELPERS + r"""
 
 struct Seq { int64_t q0, q_len, len; const int64_t* table; uint32_t* k; uint32_t* v; };  // k, v: its packed K/V
 struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv; float scale; };
@@ -84,26 +84,6 @@ void pack(const Args& a, const Seq& s, int64_t kh) {
 
 // R query rows of one (sequence, KV head), rows f0 .. f0 + R of its (query, head-in-group) pairs (f = i * G + g);
 // rows past the end repeat the last one and are not stored.
-// AMX tiles for one thread: every tile 16 rows of 64 bytes (16 x 32 bf16 as pairs for A and B, 16 x 16 floats
-// for C). Whatever configuration the thread had (oneDNN's) is put back afterwards.
-struct Tiles {
-  struct Config { uint8_t palette = 1, start = 0, pad[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
-  alignas(64) Config saved;
-  Tiles() {
-    _tile_storeconfig(&saved);
-    Config c;
-    for (int i = 0; i < 8; i++) { c.colsb[i] = 64; c.rows[i] = 16; }
-    _tile_loadconfig(&c);
-  }
-  ~Tiles() { if (saved.palette) _tile_loadconfig(&saved); else _tile_release(); }
-};
-
-// Linux hands out AMX state only to a process that asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 // One thread's scratch: the tile's query rows, a chunk's scores (then its P @ V), bf16 probabilities, the output sums.
 struct Scratch {
   alignas(64) uint16_t q[16][64];

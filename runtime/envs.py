@@ -82,6 +82,12 @@ def cpu_prefill_attention() -> str:
     return value
 
 
+def cpu_fused_elementwise() -> bool:
+    """Whether bf16 RMSNorm, RoPE and SiLU * up on CPU run the fused C++ ops (PDSERVE_CPU_FUSED_ELEMENTWISE, default on;
+    ``0`` runs the eager torch ops: kernels/fused_cpu.py)."""
+    return os.environ.get("PDSERVE_CPU_FUSED_ELEMENTWISE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def linear_method() -> str | None:
     """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
     ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""

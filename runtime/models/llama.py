@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import fused_cpu
 from pdserve.kernels.base import AttentionBackend, AttentionMetadata
 from pdserve.kernels.linear_base import QuantizedWeight, quantized_linear
 
@@ -118,11 +119,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.weight.dtype == x.dtype and fused_cpu.enabled(x):
+            return torch.ops.pdserve_fused_cpu.rms_norm(x, None, self.weight, self.eps)[0]
         h = x.float()
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = h * r if h is x else h.mul_(r)   # a low-precision input's float copy is ours to scale in place
         h = h.to(x.dtype)
         return h.mul_(self.weight) if h.dtype == self.weight.dtype else self.weight * h   # same products, one buffer
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: one pass with the fused CPU op."""
+        if x.dim() == 2 and self.weight.dtype == x.dtype == residual.dtype and fused_cpu.enabled(x):
+            return torch.ops.pdserve_fused_cpu.rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self.forward(h), h
 
 
 class Attention(nn.Module):
@@ -143,7 +153,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
         if self.q_norm is None:   # RoPE on q and k as one (T, H + Hkv, D) view: half the eager elementwise ops
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin          # cos/sin: (T, 1, D)
+            if fused_cpu.enabled(qk, 32) and cos.dtype == qk.dtype:
+                qk = torch.ops.pdserve_fused_cpu.rope(qk, cos, sin)
+            else:
+                qk = qk * cos + rotate_half(qk) * sin      # cos/sin: (T, 1, D)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]   # (T, H, D), (T, Hkv, D)
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -162,7 +175,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)   # 2 x (T, intermediate)
+        gate_up = self.gate_up_proj(x)                     # (T, 2 * intermediate)
+        if fused_cpu.enabled(gate_up, 32):
+            return self.down_proj(torch.ops.pdserve_fused_cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)                # 2 x (T, intermediate)
         return self.down_proj(F.silu(gate).mul_(up))   # in place: one (T, intermediate) buffer less
 
 
@@ -175,8 +191,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, h, cos, sin, kv_layer, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm.add_forward(
+            self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta), h)
+        return h + self.mlp(x)
 
 
 # HF parameter name suffix -> (our fused parameter, shard index); shards are concatenated along dim 0 in index order.
