@@ -12,7 +12,7 @@ import redis
 
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
-from tests.kv.conftest import resign
+from tests.kv.conftest import resign, slow_record
 from tests.support.redis import redis_server
 from tests.support.stepping import step_until_finished
 from tests.support.server import free_port
@@ -46,6 +46,7 @@ for f in STORE_MIDPIPE_FAULTS:   # a fresh prompt per fault: the decode side cac
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
 TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
+TEXTS["stuck"] = "Stuck disk read: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
 ALIGNED = 64                                                               # 4 full blocks, no partial one
 
 
@@ -336,6 +337,52 @@ def test_store_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference,
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     loaded_end = (len(prompts[name]) - 1) // 16 * 16
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
+
+
+def test_disk_load_stuck_past_its_deadline_keeps_its_blocks_through_an_abort(pair, reference):
+    """Disk loads read records straight into the decode's cache blocks. The second block's record is a FIFO whose
+    read stalls mid-block (a hung disk): past the load's deadline the request is aborted, and the engine still holds
+    every block of it (none goes back to the pool, so none can get a new owner) until the read has returned; then
+    they are freed, no damaged bytes reach the store, and the prompt loads and answers as the monolithic engine."""
+    if pair.name != "disk":
+        pytest.skip("the disk connector's in-place reads")
+    prompts, expected = reference
+    toks = prompts["stuck"]
+    engine, conn = pair.decode.engine, pair.decode.engine.connector
+    params = pair.handoff({"stuck": toks})["stuck"]
+    store = pair.prefill.engine.connector.store
+    records = [next(store.root.glob(f"*/{h}.kvb")) for h in params["block_hashes"]]
+    saved = [r.read_bytes() for r in records]
+    go, _ = slow_record(records[1], saved[1], len(saved[1]) // 2)
+    pool = engine.scheduler.kv.pool
+    free0, before = pool.get_num_free_blocks(), pair.metrics()
+    conn.load_timeout_s, conn.read_threads = 0.2, 1           # watchdog 1.4 s; blocks read in order
+    try:
+        engine.add_request("stuck-1", toks, _greedy(), kv_transfer_params=params)
+        end = time.monotonic() + 2.2
+        while time.monotonic() < end:                           # past the deadline, the read still stalled
+            assert not engine.step()
+            time.sleep(0.01)
+        assert pair.metrics()["kv_loads_overdue"] - before.get("kv_loads_overdue", 0) == 1
+        engine.abort_request("stuck-1")
+        _pump(engine, 0.3)
+        assert pool.get_num_free_blocks() == free0 - -(-len(toks) // 16)    # all its blocks still held
+        go.set()
+        end = time.monotonic() + 10
+        while pool.get_num_free_blocks() < free0:               # released once the read has returned
+            engine.step()
+            assert time.monotonic() < end, "the aborted load's blocks were never freed"
+            time.sleep(0.01)
+    finally:
+        go.set()
+        conn.load_timeout_s, conn.read_threads = 10.0, 4
+    assert pair.metrics()["kv_load_failures{kind=timeout}"] - before["kv_load_failures{kind=timeout}"] == 1
+    conn.flush()
+    records[1].unlink()
+    records[1].write_bytes(saved[1])
+    assert [r.read_bytes() for r in records] == saved          # nothing of the aborted load was written back
+    out = pair.decode_run({"stuck": toks}, {"stuck": params})["stuck"]
+    assert out.error is None and out.outputs[0].token_ids == expected["stuck"]
 
 
 def test_fail_policy_ends_with_a_clean_error(pair, reference):
