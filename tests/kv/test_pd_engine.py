@@ -46,6 +46,7 @@ for f in STORE_MIDPIPE_FAULTS:   # a fresh prompt per fault: the decode side cac
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
 TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
+TEXTS["aligned_sync"] = "Aligned, synchronous load: " + TEXTS["list"] + " " + TEXTS["story"]
 TEXTS["stuck"] = "Stuck disk read: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
 ALIGNED = 64                                                               # 4 full blocks, no partial one
 
@@ -85,7 +86,7 @@ def reference():
     llm = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE)
     tok = llm.tokenizer
     prompts = {k: tok.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
-    for k in ("aligned", "aligned_bad"):
+    for k in ("aligned", "aligned_bad", "aligned_sync"):
         assert len(prompts[k]) > ALIGNED
         prompts[k] = prompts[k][:ALIGNED]
     outs = _run(llm.engine, [(k, p, MAX_TOKENS, None) for k, p in prompts.items()])
@@ -250,6 +251,34 @@ def test_block_aligned_prompt_loads_whole_and_recomputes_one_token(pair, referen
     assert out.num_cached_tokens == ALIGNED - 1                              # exactly one prompt token computed
     assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == ALIGNED // 16
     stats = pair.decode.engine.get_stats()
+    assert stats.prompt_tokens - stats0.prompt_tokens == 1
+    assert stats.kv_load_failures == stats0.kv_load_failures and stats.recomputed_tokens == stats0.recomputed_tokens
+
+
+def test_block_aligned_prompt_loads_whole_with_a_synchronous_load(pair, reference):
+    """The same with the load done synchronously inside ``start_load_kv`` (connector config ``async_load: false``):
+    the first engine step loads every full block, the last one too, computes only the final token and samples; the
+    output equals the monolithic engine's."""
+    prompts, expected = reference
+    toks = prompts["aligned_sync"]
+    assert len(toks) == ALIGNED
+    engine, conn = pair.decode.engine, pair.decode.engine.connector
+    params = pair.handoff({"aligned_sync": toks})["aligned_sync"]
+    assert len(params["remote_block_ids"]) == ALIGNED // 16
+    before, stats0 = pair.metrics(), engine.get_stats()
+    conn.async_load = False
+    try:
+        engine.add_request("aligned_sync-d", toks, _greedy(), kv_transfer_params=params)
+        first = {o.request_id: o for o in engine.step()}     # an async load would only have started here
+        assert len(first["aligned_sync-d"].outputs[0].token_ids) == 1
+        out = step_until_finished(engine, 1)["aligned_sync-d"]
+        _pump(pair.prefill.engine)
+    finally:
+        conn.async_load = True
+    assert out.error is None and out.outputs[0].token_ids == expected["aligned_sync"]
+    assert out.num_cached_tokens == ALIGNED - 1
+    assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == ALIGNED // 16
+    stats = engine.get_stats()
     assert stats.prompt_tokens - stats0.prompt_tokens == 1
     assert stats.kv_load_failures == stats0.kv_load_failures and stats.recomputed_tokens == stats0.recomputed_tokens
 
