@@ -125,7 +125,10 @@ class DiskStore(BlockStore):
             if stat.S_ISREG(st.st_mode) and st.st_size != want:
                 raise TruncatedBlock(f"{name[:16]}: {st.st_size} bytes, want {want}")
             got = 0
-            while got < want and (n := os.readv(fd, [head[got:], dest] if got < len(head) else [dest[got - len(head):]])):
+            while got < want:
+                n = os.readv(fd, [head[got:], dest] if got < len(head) else [dest[got - len(head):]])
+                if not n:
+                    break
                 got += n
             if got < want:
                 raise TruncatedBlock(f"{name[:16]}: {got} bytes, want {want}")

@@ -13,8 +13,9 @@ failed block id is reported exactly once by ``get_block_ids_with_load_errors``; 
 cancelled (no new block is read, late writes through ``_write_block`` are dropped) and reported as timed out; a request
 that finishes while its load is in flight keeps its blocks (delay_free) until the load thread is done with them.
 A job whose reads write straight into its cache blocks (``in_place``: no lock, no staging copy) is reported finished,
-past its deadline too, only when its thread has returned: until then the engine holds its blocks (WAITING_FOR_REMOTE_KVS,
-or parked if the request was aborted), so no late write can reach a block with a new owner or a recomputed one.
+past its deadline too, only when its thread has returned: until then the engine holds its blocks
+(WAITING_FOR_REMOTE_KVS, or parked if the request was aborted), so no late write can reach a block with a new owner
+or a recomputed one.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ models or dtypes sharing one store never see each other's blocks) as :mod:`block
 * The engine thread never waits on the store unbounded: the admission lookup runs on an I/O thread and is waited for
   at most ``lookup_timeout_s``, so a hung disk or an unanswered socket is a store failure, not a stalled engine.
 * Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
-  by parallel threads; a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
+  by parallel threads straight into their cache blocks and verified there (one copy, the checksum on bytes still in
+  the CPU cache); a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
   request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
   matches its own prompt (a missing one is then a load error the engine recovers from); any other request claims the
   run of consecutive blocks the store holds beyond its local prefix hits.
@@ -91,7 +92,8 @@ class StoreConnector(StoreSaving):
             # block that fails verification is reported and recomputed, never used. Other caches: a staging buffer,
             # verified, then copied in under the lock.
             todo, read = iter(job.blocks), []   # each reader takes the next block (a list iterator is thread-safe)
-            futures = [self._readers.submit(self._read_blocks, job, todo, read, errors) for _ in range(self.read_threads)]
+            futures = [self._readers.submit(self._read_blocks, job, todo, read, errors)
+                       for _ in range(self.read_threads)]
             wait(futures)   # every read has ended before the load is reported (the readers never raise)
             unread = {b for _, b, _ in job.blocks} - set(read) - set(errors)   # readers cancelled at shutdown
             errors.update({b: LoadTimeout("not read: the connector shut down") for b in unread})
