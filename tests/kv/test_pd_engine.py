@@ -9,7 +9,9 @@ import time
 
 import pytest
 import redis
+import torch
 
+from pdserve.kv_connectors import block_codec
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
 from tests.kv.conftest import resign, slow_record
@@ -47,6 +49,7 @@ PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
 TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
 TEXTS["aligned_sync"] = "Aligned, synchronous load: " + TEXTS["list"] + " " + TEXTS["story"]
+TEXTS["wrong_kv"] = "Wrong KV in a record: " + TEXTS["list"] + " " + TEXTS["story"]   # 4+ blocks
 TEXTS["stuck"] = "Stuck disk read: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
 ALIGNED = 64                                                               # 4 full blocks, no partial one
 
@@ -366,6 +369,34 @@ def test_store_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference,
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     loaded_end = (len(prompts[name]) - 1) // 16 * 16
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
+
+
+def test_disk_record_with_wrong_kv_is_cut_there(pair, reference):
+    """Disk loads write each record's payload into its cache block before verifying it there. Block 1's record carries
+    wrong KV in every value (header and checksum still block 1's): it lands in the block, fails verification, and the
+    decode cuts the prompt there and recomputes from it on: the output equals the monolithic engine's token for token
+    (used, these values change it), and the damaged record is replaced."""
+    if pair.name != "disk":
+        pytest.skip("the disk connector's in-place reads")
+    prompts, expected = reference
+    toks = prompts["wrong_kv"]
+    conn = pair.decode.engine.connector
+    assert conn._loads_in_place()
+    params = pair.handoff({"wrong_kv": toks})["wrong_kv"]
+    store = pair.prefill.engine.connector.store
+    record = next(store.root.glob(f"*/{params['block_hashes'][1]}.kvb"))
+    header = record.read_bytes()[:block_codec.HEADER_SIZE]
+    damaged = header + torch.full(conn.block_shape, 30.0, dtype=conn.dtype).numpy().tobytes()
+    record.write_bytes(damaged)
+    before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+    out = pair.decode_run({"wrong_kv": toks}, {"wrong_kv": params})["wrong_kv"]
+    assert out.error is None and out.outputs[0].token_ids == expected["wrong_kv"]
+    assert pair.metrics()["kv_load_failures{kind=corrupt}"] - before["kv_load_failures{kind=corrupt}"] == 1
+    stats = pair.decode.engine.get_stats()
+    loaded_end = len(toks) // 16 * 16
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == min(loaded_end, len(toks) - 1) - 16   # block 0 kept
+    conn.flush()
+    assert record.read_bytes() != damaged        # deleted, then saved again from the recomputed block
 
 
 def test_disk_load_stuck_past_its_deadline_keeps_its_blocks_through_an_abort(pair, reference):
