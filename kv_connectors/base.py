@@ -41,7 +41,6 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -61,7 +60,7 @@ class KVCacheSpec:
     block_size: int
     layout: str = "block,layer,kv,token,head,dim"
 
-    @cached_property   # read per block on load paths; the dtype lookup costs more than a small block's checks
+    @property
     def block_bytes(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * torch.empty(
             (), dtype=getattr(torch, self.dtype)).element_size()

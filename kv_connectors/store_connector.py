@@ -51,6 +51,7 @@ class StoreConnector(StoreSaving):
         self.lookup_timeout_s = float(config.get("lookup_timeout_s", 2.0))
         self._tls = threading.local()
         self._cache_bytes: memoryview | None = None
+        self._block_bytes = spec.block_bytes   # read per block (the spec's property builds a tensor per call)
         self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
         self._io = ThreadPoolExecutor(2, thread_name_prefix=f"pdserve-{self.name}-io")   # the engine thread's calls
@@ -149,15 +150,15 @@ class StoreConnector(StoreSaving):
         if job.cancelled:
             raise LoadTimeout("load cancelled after its deadline")
         if job.in_place:   # into the block itself, verified there (the block is the job's until it is reported)
-            bb = self.spec.block_bytes
+            bb = self._block_bytes
             dest = self._cache_bytes[block_id * bb:(block_id + 1) * bb]
             block_codec.verify(self.store.read_into(h, dest), dest, self.fingerprint, h, self.dtype, self.block_shape)
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
             return
         staging = getattr(self._tls, "staging", None)
-        if staging is None or len(staging) != self.spec.block_bytes:
-            staging = self._tls.staging = memoryview(bytearray(self.spec.block_bytes))
+        if staging is None or len(staging) != self._block_bytes:
+            staging = self._tls.staging = memoryview(bytearray(self._block_bytes))
         header = self.store.read_into(h, staging)
         block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
         self._write_block(job, block_id, staging)
