@@ -12,10 +12,10 @@ Invariants: a claimed load is always reported finished (``get_finished()[1]`` fo
 failed block id is reported exactly once by ``get_block_ids_with_load_errors``; a job that overruns its deadline is
 cancelled (no new block is read, late writes through ``_write_block`` are dropped) and reported as timed out; a request
 that finishes while its load is in flight keeps its blocks (delay_free) until the load thread is done with them.
-A job whose reads write straight into its cache blocks (``in_place``: no lock, no staging copy) is reported finished,
-past its deadline too, only when its thread has returned: until then the engine holds its blocks
-(WAITING_FOR_REMOTE_KVS, or parked if the request was aborted), so no late write can reach a block with a new owner
-or a recomputed one.
+A job whose reads write straight into its cache blocks (``in_place``: no lock, no staging copy) counts the reads in
+flight (``reads_in_flight``, under the lock); past its deadline it is reported only once none is: until then the
+engine holds its blocks (WAITING_FOR_REMOTE_KVS, or parked if the request was aborted), so no late write can reach a
+block with a new owner or a recomputed one.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class LoadJob:
     deadline: float = 0.0
     cancelled: bool = False
     in_place: bool = False                      # its reads write the blocks directly (see the module docstring)
+    reads_in_flight: int = 0                    # in-place reads writing its blocks now (changed under the lock)
     finished: bool = False                      # reported (by its thread, or by the watchdog unless in_place)
     started: float = 0.0                        # wall clock, when the load was started
     record: dict[str, Any] | None = None        # the request's ``kv_transfer`` dict, filled when the load ends
@@ -95,9 +96,21 @@ class LoadingConnector(KVConnectorBase):
         raise NotImplementedError
 
     def _loads_in_place(self) -> bool:
-        """True when ``_load`` writes blocks outside ``_write_block`` (straight into the cache, unlocked): the job is
-        then reported only when its thread returns, even past its deadline."""
+        """True when ``_load`` writes blocks outside ``_write_block`` (straight into the cache, unlocked), each read
+        bracketed by ``_start_read`` / ``_end_read``: past its deadline the job is reported only when no read is in
+        flight."""
         return False
+
+    def _start_read(self, job: LoadJob) -> None:
+        """An in-place read of one of ``job``'s blocks begins (raises LoadTimeout once the job is cancelled)."""
+        with self._lock:
+            if job.cancelled:
+                raise LoadTimeout("load cancelled after its deadline")
+            job.reads_in_flight += 1
+
+    def _end_read(self, job: LoadJob) -> None:
+        with self._lock:
+            job.reads_in_flight -= 1
 
     def _watchdog_s(self) -> float:
         """How long an async load may run before it is cancelled and reported timed out; longer than the sum of the
@@ -271,13 +284,15 @@ class LoadingConnector(KVConnectorBase):
     def get_finished(self) -> tuple[set[str], set[str]]:
         now = time.monotonic()
         with self._lock:
-            for job in [j for j in self._running.values() if now > j.deadline and not j.cancelled]:
-                job.cancelled = True   # no new block is read; writes through _write_block are dropped
-                if job.in_place:       # a read still in flight writes into its blocks: reported when it returns
-                    self.stats.add("kv_loads_overdue")
-                    logger.warning("%s: load of request %s overran its deadline; its blocks stay held until its "
-                                   "reads return", self.name, job.request_id)
+            for job in [j for j in self._running.values() if now > j.deadline]:
+                if job.in_place and job.reads_in_flight:   # a read still writes its blocks: reported once none does
+                    if not job.cancelled:
+                        self.stats.add("kv_loads_overdue")
+                        logger.warning("%s: load of request %s overran its deadline; its blocks stay held until its "
+                                       "reads return", self.name, job.request_id)
+                    job.cancelled = True
                     continue
+                job.cancelled = True   # no new block is read; writes through _write_block are dropped
                 self._finish_job(job, {b: LoadTimeout(f"no answer within {self.load_timeout_s}s") for _, b, _ in job.blocks})
             sending, recving = self._sending_done | self._finished_sending(), self._recving_done
             self._sending_done, self._recving_done = set(), set()

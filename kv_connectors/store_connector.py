@@ -88,10 +88,10 @@ class StoreConnector(StoreSaving):
         errors: dict[int, KVLoadError] = {}
         if self.store.direct:
             # Blocks read in parallel (``read_threads``), no lock held during IO. On a CPU cache each record is read
-            # straight into its cache block and verified there (the job is ``in_place``: reported only when every
-            # read has returned, so the engine holds the blocks until then; the watchdog only stops new reads); a
-            # block that fails verification is reported and recomputed, never used. Other caches: a staging buffer,
-            # verified, then copied in under the lock.
+            # straight into its cache block and verified there (the job is ``in_place``: past its deadline it is
+            # reported only when no read of it is in flight, so the engine holds the blocks until then); a block that
+            # fails verification is reported and recomputed, never used. Other caches: a staging buffer, verified,
+            # then copied in under the lock.
             todo, read = iter(job.blocks), []   # each reader takes the next block (a list iterator is thread-safe)
             futures = [self._readers.submit(self._read_blocks, job, todo, read, errors)
                        for _ in range(self.read_threads)]
@@ -152,7 +152,12 @@ class StoreConnector(StoreSaving):
         if job.in_place:   # into the block itself, verified there (the block is the job's until it is reported)
             bb = self._block_bytes
             dest = self._cache_bytes[block_id * bb:(block_id + 1) * bb]
-            block_codec.verify(self.store.read_into(h, dest), dest, self.fingerprint, h, self.dtype, self.block_shape)
+            self._start_read(job)
+            try:
+                block_codec.verify(self.store.read_into(h, dest), dest, self.fingerprint, h, self.dtype,
+                                   self.block_shape)
+            finally:
+                self._end_read(job)
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
             return
