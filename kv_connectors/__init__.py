@@ -29,7 +29,8 @@ fingerprint|timeout|peer_unreachable|lease_expired}`` (failed request loads), ``
 ``kv_bytes_loaded``, ``kv_blocks_load_failed``, ``kv_blocks_saved``, ``kv_bytes_saved``, ``kv_saves_skipped``,
 ``kv_store_errors``, ``kv_params_rejected{reason=unsigned|bad_signature|expired|malformed}`` (kv_transfer_params
 ignored before any connection), ``kv_handoffs_rejected`` (403s to unauthenticated do_remote_decode requests),
-``kv_saves_dropped_queue_full``; NIXL adds ``kv_leases_active``, ``kv_leases_expired``, ``kv_leases_released``,
+``kv_saves_dropped_queue_full``, ``kv_loads_overdue`` (disk loads past their deadline, reported once their reads
+return); NIXL adds ``kv_leases_active``, ``kv_leases_expired``, ``kv_leases_released``,
 ``kv_peer_handshakes``, ``kv_peers_dropped``, ``kv_side_channel_auth_failures``, ``kv_side_channel_busy_rejections``,
 ``kv_handoffs_failed`` (handoffs past ``handoff_timeout_s``: answered without blocks). Every failure is also logged
 with the request id.

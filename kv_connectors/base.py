@@ -29,7 +29,10 @@ both in one process, so one object implements both halves; the engine calls them
 Ownership: the engine owns the cache tensor and every block id; a connector never frees or allocates blocks, it only
 reads blocks it was told to save and writes blocks it was told to load. A load that fails in any way (missing, corrupt,
 truncated, wrong fingerprint, timed out, peer gone) must still be reported finished, with its blocks listed by
-`get_block_ids_with_load_errors()`; a connector never leaves a request waiting forever (every wait has a timeout).
+`get_block_ids_with_load_errors()`; a connector never leaves a request waiting forever (every wait has a timeout),
+with one exception: a load whose reads write straight into its blocks (disk, on a CPU cache) is reported, past its
+deadline, only once no read of it is in flight, since until then the kernel may still write the blocks (see
+``loading``).
 """
 
 from __future__ import annotations

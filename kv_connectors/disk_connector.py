@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -107,25 +108,43 @@ class DiskStore(BlockStore):
                 raise KVLoadError(f"disk delete failed: {e}") from e
 
     def read_into(self, block_hash: bytes, dest: memoryview) -> block_codec.Header:
-        path = self._path(block_hash)
+        # One readv for the whole record (header into a small buffer, payload straight into ``dest``); a short read
+        # (a signal, a pipe) goes on where it stopped. The size check applies to regular files only.
+        name = block_hash.hex()
+        path = f"{self.root}/{name[:2]}/{name}.kvb"
+        head = memoryview(bytearray(block_codec.HEADER_SIZE))
+        want = len(head) + len(dest)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                header = block_codec.parse_header(f.read(block_codec.HEADER_SIZE))
-                if header.length != len(dest):
-                    raise CorruptBlock(f"payload of {header.length} bytes, the block has {len(dest)}")
-                if st.st_size != block_codec.HEADER_SIZE + len(dest) or f.readinto(dest) != len(dest):
-                    raise TruncatedBlock(f"{path.name}: {st.st_size} bytes, want {block_codec.HEADER_SIZE + len(dest)}")
-                if time.time() - st.st_mtime > self.touch_after_s:
-                    self._touch(path)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError as e:
-            raise MissingBlock(f"block {block_hash.hex()[:16]} is not on disk") from e
+            raise MissingBlock(f"block {name[:16]} is not on disk") from e
         except OSError as e:
             raise KVLoadError(f"disk read failed: {e}") from e
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size != want:
+                raise TruncatedBlock(f"{name[:16]}: {st.st_size} bytes, want {want}")
+            got = 0
+            while got < want:
+                n = os.readv(fd, [head[got:], dest] if got < len(head) else [dest[got - len(head):]])
+                if not n:
+                    break
+                got += n
+            if got < want:
+                raise TruncatedBlock(f"{name[:16]}: {got} bytes, want {want}")
+            header = block_codec.parse_header(head)
+            if header.length != len(dest):
+                raise CorruptBlock(f"payload of {header.length} bytes, the block has {len(dest)}")
+        except OSError as e:
+            raise KVLoadError(f"disk read failed: {e}") from e
+        finally:
+            os.close(fd)
+        if time.time() - st.st_mtime > self.touch_after_s:
+            self._touch(path)
         return header
 
     @staticmethod
-    def _touch(path: Path) -> None:
+    def _touch(path: Path | str) -> None:
         try:
             os.utime(path)   # LRU: a read counts as a use
         except OSError:      # evicted meanwhile: the read already has its bytes

@@ -10,8 +10,12 @@ Subclasses answer two questions and the rest follows the base contract:
 
 Invariants: a claimed load is always reported finished (``get_finished()[1]`` for async loads), failed or not; every
 failed block id is reported exactly once by ``get_block_ids_with_load_errors``; a job that overruns its deadline is
-cancelled (its late writes are dropped) and reported as timed out; a request that finishes while its load is in flight
-keeps its blocks (delay_free) until the load thread is done with them.
+cancelled (no new block is read, late writes through ``_write_block`` are dropped) and reported as timed out; a request
+that finishes while its load is in flight keeps its blocks (delay_free) until the load thread is done with them.
+A job whose reads write straight into its cache blocks (``in_place``: no lock, no staging copy) counts the reads in
+flight (``reads_in_flight``, under the lock); past its deadline it is reported only once none is: until then the
+engine holds its blocks (WAITING_FOR_REMOTE_KVS, or parked if the request was aborted), so no late write can reach a
+block with a new owner or a recomputed one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class LoadJob:
     is_async: bool
     deadline: float = 0.0
     cancelled: bool = False
+    in_place: bool = False                      # its reads write the blocks directly (see the module docstring)
+    reads_in_flight: int = 0                    # in-place reads writing its blocks now (changed under the lock)
+    finished: bool = False                      # reported (by its thread, or by the watchdog unless in_place)
     started: float = 0.0                        # wall clock, when the load was started
     record: dict[str, Any] | None = None        # the request's ``kv_transfer`` dict, filled when the load ends
 
@@ -87,6 +94,23 @@ class LoadingConnector(KVConnectorBase):
     def _load(self, job: LoadJob) -> dict[int, KVLoadError]:
         """Load ``job.blocks`` into the cache; return {block_id: error} for the blocks that failed."""
         raise NotImplementedError
+
+    def _loads_in_place(self) -> bool:
+        """True when ``_load`` writes blocks outside ``_write_block`` (straight into the cache, unlocked), each read
+        bracketed by ``_start_read`` / ``_end_read``: past its deadline the job is reported only when no read is in
+        flight."""
+        return False
+
+    def _start_read(self, job: LoadJob) -> None:
+        """An in-place read of one of ``job``'s blocks begins (raises LoadTimeout once the job is cancelled)."""
+        with self._lock:
+            if job.cancelled:
+                raise LoadTimeout("load cancelled after its deadline")
+            job.reads_in_flight += 1
+
+    def _end_read(self, job: LoadJob) -> None:
+        with self._lock:
+            job.reads_in_flight -= 1
 
     def _watchdog_s(self) -> float:
         """How long an async load may run before it is cancelled and reported timed out; longer than the sum of the
@@ -193,6 +217,7 @@ class LoadingConnector(KVConnectorBase):
             if job is None:
                 continue
             job.started = time.time()
+            job.in_place = self._loads_in_place()
             if job.is_async:
                 job.deadline = time.monotonic() + self._watchdog_s()
                 with self._lock:
@@ -210,12 +235,13 @@ class LoadingConnector(KVConnectorBase):
             logger.exception("%s: load of request %s crashed", self.name, job.request_id)
             errors = {b: KVLoadError(repr(e)) for _, b, _ in job.blocks}
         with self._lock:
-            if job.cancelled:
+            if job.finished:   # the watchdog reported it (not in place: its late writes were dropped)
                 return
             self._finish_job(job, errors)
 
     def _finish_job(self, job: LoadJob, errors: dict[int, KVLoadError]) -> None:
         # caller holds self._lock
+        job.finished = True
         self._running.pop(job.request_id, None)
         self._bad_blocks |= set(errors)
         if job.is_async:
@@ -259,7 +285,14 @@ class LoadingConnector(KVConnectorBase):
         now = time.monotonic()
         with self._lock:
             for job in [j for j in self._running.values() if now > j.deadline]:
-                job.cancelled = True
+                if job.in_place and job.reads_in_flight:   # a read still writes its blocks: reported once none does
+                    if not job.cancelled:
+                        self.stats.add("kv_loads_overdue")
+                        logger.warning("%s: load of request %s overran its deadline; its blocks stay held until its "
+                                       "reads return", self.name, job.request_id)
+                    job.cancelled = True
+                    continue
+                job.cancelled = True   # no new block is read; writes through _write_block are dropped
                 self._finish_job(job, {b: LoadTimeout(f"no answer within {self.load_timeout_s}s") for _, b, _ in job.blocks})
             sending, recving = self._sending_done | self._finished_sending(), self._recving_done
             self._sending_done, self._recving_done = set(), set()

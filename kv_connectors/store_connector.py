@@ -8,7 +8,8 @@ models or dtypes sharing one store never see each other's blocks) as :mod:`block
 * The engine thread never waits on the store unbounded: the admission lookup runs on an I/O thread and is waited for
   at most ``lookup_timeout_s``, so a hung disk or an unanswered socket is a store failure, not a stalled engine.
 * Loading: records are fetched in pipelined chunks (the next chunk in flight while one is verified) or, for disk, read
-  by parallel threads; a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
+  by parallel threads straight into their cache blocks and verified there (one copy, the checksum on bytes still in
+  the CPU cache); a chunk the store fails to return fails its blocks and the rest, the verified prefix stays. A
   request carrying ``do_remote_prefill`` params with ``block_hashes`` claims every listed block that
   matches its own prompt (a missing one is then a load error the engine recovers from); any other request claims the
   run of consecutive blocks the store holds beyond its local prefix hits.
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import ConnectorRequest, KVCacheSpec
@@ -46,11 +50,13 @@ class StoreConnector(StoreSaving):
         self.load_enabled = bool(config.get("load", True))
         self.lookup_timeout_s = float(config.get("lookup_timeout_s", 2.0))
         self._tls = threading.local()
+        self._cache_bytes: memoryview | None = None
+        self._block_bytes = spec.block_bytes   # read per block (the spec's property builds a tensor per call)
         self.fetch_chunk = max(1, int(config.get("fetch_chunk", 32)))
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-fetch")
         self._io = ThreadPoolExecutor(2, thread_name_prefix=f"pdserve-{self.name}-io")   # the engine thread's calls
-        self._readers = ThreadPoolExecutor(max(1, int(config.get("read_threads", 4))),
-                                           thread_name_prefix=f"pdserve-{self.name}-read")
+        self.read_threads = max(1, int(config.get("read_threads", 4)))
+        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"pdserve-{self.name}-read")
 
     def _make_store(self, config: dict[str, Any]) -> BlockStore:
         raise NotImplementedError
@@ -81,14 +87,17 @@ class StoreConnector(StoreSaving):
             raise FingerprintMismatch(f"prefill fingerprint {params['fingerprint']} != ours {self.fingerprint}")
         errors: dict[int, KVLoadError] = {}
         if self.store.direct:
-            # Blocks read in parallel (``read_threads``), each into its thread's staging buffer (no lock held during
-            # IO, so a stuck disk cannot stall the engine and the watchdog can always cancel), verified, then copied
-            # into the cache under the lock.
-            # A read stuck on the disk is bounded by the load watchdog (LoadingConnector.get_finished), which cancels
-            # the job so that its late writes are dropped.
-            for block_id, e in self._readers.map(lambda blk: self._read_direct(job, blk[1], blk[2]), job.blocks):
-                if e is not None:
-                    errors[block_id] = e
+            # Blocks read in parallel (``read_threads``), no lock held during IO. On a CPU cache each record is read
+            # straight into its cache block and verified there (the job is ``in_place``: past its deadline it is
+            # reported only when no read of it is in flight, so the engine holds the blocks until then); a block that
+            # fails verification is reported and recomputed, never used. Other caches: a staging buffer, verified,
+            # then copied in under the lock.
+            todo, read = iter(job.blocks), []   # each reader takes the next block (a list iterator is thread-safe)
+            futures = [self._readers.submit(self._read_blocks, job, todo, read, errors)
+                       for _ in range(self.read_threads)]
+            wait(futures)   # every read has ended before the load is reported (the readers never raise)
+            unread = {b for _, b, _ in job.blocks} - set(read) - set(errors)   # readers cancelled at shutdown
+            errors.update({b: LoadTimeout("not read: the connector shut down") for b in unread})
             return self._after_load(job, errors)
         # Chunks of ``fetch_chunk`` records, the next one fetched (one pipelined round trip) while this one is verified
         # and copied in: the store's latency and the checksums overlap.
@@ -116,19 +125,48 @@ class StoreConnector(StoreSaving):
                 break
         return self._after_load(job, errors)
 
-    def _read_direct(self, job: LoadJob, block_id: int, h: bytes) -> tuple[int, KVLoadError | None]:
-        staging = getattr(self._tls, "staging", None)
-        if staging is None or len(staging) != self.spec.block_bytes:
-            staging = self._tls.staging = memoryview(bytearray(self.spec.block_bytes))
-        try:
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        super().register_kv_caches(kv_cache)
+        # The whole CPU cache as bytes: block b is one slice (no per-block tensor views on the load path).
+        self._cache_bytes = (block_codec.tensor_bytes(kv_cache)
+                             if kv_cache.device.type == "cpu" and kv_cache.is_contiguous() else None)
+
+    def _loads_in_place(self) -> bool:
+        return self.store.direct and self._cache_bytes is not None
+
+    def _read_blocks(self, job: LoadJob, todo: Iterator[tuple[int, int, bytes]], read: list[int],
+                     errors: dict[int, KVLoadError]) -> None:
+        for _, block_id, h in todo:
+            try:
+                self._read_direct(job, block_id, h)
+                read.append(block_id)
+            except KVLoadError as e:
+                errors[block_id] = e
+            except Exception as e:  # a bug or an unexpected library error fails its block, not the other reads
+                logger.exception("%s: reading block %d of request %s crashed", self.name, block_id, job.request_id)
+                errors[block_id] = KVLoadError(repr(e))
+
+    def _read_direct(self, job: LoadJob, block_id: int, h: bytes) -> None:
+        if job.cancelled:
+            raise LoadTimeout("load cancelled after its deadline")
+        if job.in_place:   # into the block itself, verified there (the block is the job's until it is reported)
+            bb = self._block_bytes
+            dest = self._cache_bytes[block_id * bb:(block_id + 1) * bb]
+            self._start_read(job)
+            try:
+                block_codec.verify(self.store.read_into(h, dest), dest, self.fingerprint, h, self.dtype,
+                                   self.block_shape)
+            finally:
+                self._end_read(job)
             if job.cancelled:
                 raise LoadTimeout("load cancelled after its deadline")
-            header = self.store.read_into(h, staging)
-            block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
-            self._write_block(job, block_id, staging)
-        except KVLoadError as e:
-            return block_id, e
-        return block_id, None
+            return
+        staging = getattr(self._tls, "staging", None)
+        if staging is None or len(staging) != self._block_bytes:
+            staging = self._tls.staging = memoryview(bytearray(self._block_bytes))
+        header = self.store.read_into(h, staging)
+        block_codec.verify(header, staging, self.fingerprint, h, self.dtype, self.block_shape)
+        self._write_block(job, block_id, staging)
 
     def _after_load(self, job: LoadJob, errors: dict[int, KVLoadError]) -> dict[int, KVLoadError]:
         self._remember([h for _, b, h in job.blocks if b not in errors])   # in the store already: never re-save

@@ -62,6 +62,9 @@ class StoreSaving(LoadingConnector):
 
     def _on_request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, dict | None, bool]:
         rid, n = request.request_id, min(len(request.block_hashes), len(block_ids))
+        computed = getattr(request, "num_computed_tokens", None)
+        if computed is not None:   # an engine request: never save blocks it did not compute or load (an abort
+            n = min(n, computed // self.spec.block_size)   # mid-load leaves unverified bytes in the rest)
         if not (request.kv_transfer_params or {}).get("do_remote_decode"):
             self._save_range(request, block_ids, n)
             self._saved_upto.pop(rid, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -70,6 +71,25 @@ def load(conn: KVConnectorBase, req: Req, block_ids: list[int], num_local_tokens
             time.sleep(0.01)
     bad |= conn.get_block_ids_with_load_errors()
     return LoadResult(n, is_async, bad, time.monotonic() - t0)
+
+
+def slow_record(path, data: bytes, first: int) -> tuple[threading.Event, threading.Event]:
+    """Replace the disk record at ``path`` by a FIFO fed by a thread: ``data[:first]`` as soon as a reader opens it,
+    the rest once the returned ``go`` event is set (then ``done`` is set). A read of it blocks mid-record in the kernel,
+    as on a hung network disk: a real slow file, not a stand-in for the connector's code."""
+    path.unlink()
+    os.mkfifo(path)
+    go, done = threading.Event(), threading.Event()
+
+    def feed():
+        with open(path, "wb", buffering=0) as f:   # blocks until the loader opens the record
+            f.write(data[:first])
+            go.wait(60)
+            f.write(data[first:])
+        done.set()
+
+    threading.Thread(target=feed, daemon=True).start()
+    return go, done
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import create_connector
 from pdserve.kv_connectors.disk_connector import DiskStore
-from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign
+from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign, slow_record
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 2))   # 5 full blocks + 2 tokens
 
@@ -135,22 +135,78 @@ def test_atomic_writes_never_expose_partial_records(tmp_path):
     assert errors == [] and not list(tmp_path.glob("**/.tmp-*"))
 
 
-def test_overrunning_load_is_cancelled_and_reported(tmp_path, monkeypatch):
-    """A load stuck past its deadline is reported finished with its blocks invalid; its late writes are dropped."""
-    p, d = _pair(tmp_path, load_timeout_s=0.2)
+def test_load_stuck_past_its_deadline_keeps_its_blocks_until_the_read_returns(tmp_path):
+    """Blocks are read straight into the cache: a read stuck mid-block (a FIFO record) past the load's deadline stops
+    the load from starting other reads, but the load is reported finished (blocks invalid, timed out) and its blocks
+    given back - here after the request was aborted - only when the read has returned and written its last byte."""
+    p, d = _pair(tmp_path, load_timeout_s=0.2, read_threads=1)      # watchdog: 2 * 0.2 + 1 = 1.4 s
+    ids = [10, 11, 12, 13, 14, 15]
     params = prefill(p, Req("r", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
-    real = type(d.store).read_into
+    victim = tmp_path / SPEC.fingerprint() / params["block_hashes"][0][:2] / f"{params['block_hashes'][0]}.kvb"
+    go, done = slow_record(victim, victim.read_bytes(), block_codec.HEADER_SIZE + SPEC.block_bytes // 2)
+    req = Req("r", PROMPT, params)
+    try:
+        n, is_async = d.get_num_new_matched_tokens(req, 0)
+        assert (n, is_async) == (5 * BLOCK, True)
+        d.update_state_after_alloc(req, ids, n)
+        d.start_load_kv(d.build_connector_meta())
+        assert d._running["r"].in_place
+        end = time.monotonic() + 2.2
+        while time.monotonic() < end:                               # well past the deadline: still loading
+            assert d.get_finished() == (set(), set())
+            time.sleep(0.02)
+        assert d.metrics()["kv_loads_overdue"] == 1 and not done.is_set()
+        assert d.start_request_finished(req, ids) == (True, None, False)   # aborted: its blocks stay held ...
+        time.sleep(0.3)
+        assert d.get_finished() == (set(), set())                    # ... while the read still writes block 10
+    finally:
+        go.set()
+    sending, recving, end = set(), set(), time.monotonic() + 10
+    while "r" not in recving:
+        s, r = d.get_finished()
+        sending, recving = sending | s, recving | r
+        assert time.monotonic() < end, "the load never ended"
+        time.sleep(0.01)
+    assert sending == {"r"}                                          # released once the read had returned:
+    assert torch.equal(d.kv_cache[10], p.kv_cache[1])               # it wrote its last byte before that
+    assert not d.kv_cache[11:15].any()                               # no read started after the deadline
+    assert d.get_block_ids_with_load_errors() == {10, 11, 12, 13, 14}   # and none of it is used
+    assert d.metrics()["kv_load_failures{kind=timeout}"] == 1 and d.metrics()["kv_blocks_loaded"] == 0
 
-    def stuck(self, h, dest):
-        time.sleep(2.0)
-        return real(self, h, dest)
 
-    monkeypatch.setattr(type(d.store), "read_into", stuck)
-    res = load(d, Req("r", PROMPT, params), [10, 11, 12, 13, 14, 15], timeout=10)
-    assert res.bad_blocks == {10, 11, 12, 13, 14} and d.metrics()["kv_load_failures{kind=timeout}"] == 1
-    time.sleep(2.5)                                  # the stuck thread wakes up: it must not write into the cache
-    assert not d.kv_cache[10:15].any()
-    assert d.get_finished() == (set(), set()) and not d.get_block_ids_with_load_errors()
+def test_load_queued_behind_a_stuck_read_is_reported_at_its_deadline(tmp_path):
+    """Only a read in flight holds a load past its deadline: a second load whose reads wait behind the stuck one (one
+    reader thread) has none, so it is reported timed out at its deadline, its blocks untouched, while the first one
+    stays held until its read returns."""
+    p, d = _pair(tmp_path, load_timeout_s=0.2, read_threads=1)
+    other = [t + 1000 for t in PROMPT]
+    pa = prefill(p, Req("a", PROMPT, {"do_remote_decode": True}), [1, 2, 3, 4, 5, 6])
+    pb = prefill(p, Req("b", other, {"do_remote_decode": True}), [7, 8, 9, 10, 11, 12])
+    victim = tmp_path / SPEC.fingerprint() / pa["block_hashes"][0][:2] / f"{pa['block_hashes'][0]}.kvb"
+    go, _ = slow_record(victim, victim.read_bytes(), block_codec.HEADER_SIZE + SPEC.block_bytes // 2)
+    try:
+        for rid, toks, params, ids in (("a", PROMPT, pa, [10, 11, 12, 13, 14, 15]),
+                                       ("b", other, pb, [20, 21, 22, 23, 24, 25])):
+            req = Req(rid, toks, params)
+            n, _ = d.get_num_new_matched_tokens(req, 0)
+            d.update_state_after_alloc(req, ids, n)
+            d.start_load_kv(d.build_connector_meta())
+        recving, bad, end = set(), set(), time.monotonic() + 10
+        while "b" not in recving:
+            recving |= d.get_finished()[1]
+            bad |= d.get_block_ids_with_load_errors()
+            assert time.monotonic() < end, "the queued load was never reported"
+            time.sleep(0.01)
+        assert recving == {"b"} and bad == {20, 21, 22, 23, 24} and not d.kv_cache[20:25].any()
+        time.sleep(0.3)
+        assert d.get_finished() == (set(), set())                    # "a" still has its read in flight
+    finally:
+        go.set()
+    end = time.monotonic() + 10
+    while "a" not in d.get_finished()[1]:
+        assert time.monotonic() < end, "the stuck load was never reported"
+        time.sleep(0.01)
+    assert torch.equal(d.kv_cache[10], p.kv_cache[1]) and d.metrics()["kv_loads_overdue"] == 1
 
 
 def test_a_load_is_traced_as_verified(tmp_path):

@@ -9,10 +9,12 @@ import time
 
 import pytest
 import redis
+import torch
 
+from pdserve.kv_connectors import block_codec
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
-from tests.kv.conftest import resign
+from tests.kv.conftest import resign, slow_record
 from tests.support.redis import redis_server
 from tests.support.stepping import step_until_finished
 from tests.support.server import free_port
@@ -46,6 +48,9 @@ for f in STORE_MIDPIPE_FAULTS:   # a fresh prompt per fault: the decode side cac
 PD_PROMPTS = ["tiny", "story", "code", "list", "shared"]
 TEXTS["aligned"] = "Aligned case: " + TEXTS["list"] + " " + TEXTS["code"]   # cut to ALIGNED tokens in `reference`
 TEXTS["aligned_bad"] = "Aligned, bad last block: " + TEXTS["code"] + " " + TEXTS["list"]
+TEXTS["aligned_sync"] = "Aligned, synchronous load: " + TEXTS["list"] + " " + TEXTS["story"]
+TEXTS["wrong_kv"] = "Wrong KV in a record: " + TEXTS["list"] + " " + TEXTS["story"]   # 4+ blocks
+TEXTS["stuck"] = "Stuck disk read: " + TEXTS["story"] + " " + TEXTS["list"]   # 4+ blocks
 ALIGNED = 64                                                               # 4 full blocks, no partial one
 
 
@@ -84,7 +89,7 @@ def reference():
     llm = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE)
     tok = llm.tokenizer
     prompts = {k: tok.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
-    for k in ("aligned", "aligned_bad"):
+    for k in ("aligned", "aligned_bad", "aligned_sync"):
         assert len(prompts[k]) > ALIGNED
         prompts[k] = prompts[k][:ALIGNED]
     outs = _run(llm.engine, [(k, p, MAX_TOKENS, None) for k, p in prompts.items()])
@@ -253,6 +258,34 @@ def test_block_aligned_prompt_loads_whole_and_recomputes_one_token(pair, referen
     assert stats.kv_load_failures == stats0.kv_load_failures and stats.recomputed_tokens == stats0.recomputed_tokens
 
 
+def test_block_aligned_prompt_loads_whole_with_a_synchronous_load(pair, reference):
+    """The same with the load done synchronously inside ``start_load_kv`` (connector config ``async_load: false``):
+    the first engine step loads every full block, the last one too, computes only the final token and samples; the
+    output equals the monolithic engine's."""
+    prompts, expected = reference
+    toks = prompts["aligned_sync"]
+    assert len(toks) == ALIGNED
+    engine, conn = pair.decode.engine, pair.decode.engine.connector
+    params = pair.handoff({"aligned_sync": toks})["aligned_sync"]
+    assert len(params["remote_block_ids"]) == ALIGNED // 16
+    before, stats0 = pair.metrics(), engine.get_stats()
+    conn.async_load = False
+    try:
+        engine.add_request("aligned_sync-d", toks, _greedy(), kv_transfer_params=params)
+        first = {o.request_id: o for o in engine.step()}     # an async load would only have started here
+        assert len(first["aligned_sync-d"].outputs[0].token_ids) == 1
+        out = step_until_finished(engine, 1)["aligned_sync-d"]
+        _pump(pair.prefill.engine)
+    finally:
+        conn.async_load = True
+    assert out.error is None and out.outputs[0].token_ids == expected["aligned_sync"]
+    assert out.num_cached_tokens == ALIGNED - 1
+    assert pair.metrics()["kv_blocks_loaded"] - before["kv_blocks_loaded"] == ALIGNED // 16
+    stats = engine.get_stats()
+    assert stats.prompt_tokens - stats0.prompt_tokens == 1
+    assert stats.kv_load_failures == stats0.kv_load_failures and stats.recomputed_tokens == stats0.recomputed_tokens
+
+
 def test_block_aligned_prompt_with_a_bad_last_block_is_cut_there(pair, reference):
     """The last full block (the one holding the recomputed final token) fails verification: the decode keeps the 3
     blocks before it and recomputes from the block's start, answering exactly as the monolithic engine."""
@@ -336,6 +369,80 @@ def test_store_block_damaged_mid_pipeline_is_cut_and_recomputed(pair, reference,
     assert stats.kv_load_failures - stats0.kv_load_failures == 1
     loaded_end = (len(prompts[name]) - 1) // 16 * 16
     assert stats.recomputed_tokens - stats0.recomputed_tokens == loaded_end - 16   # block 0 kept, 1.. redone
+
+
+def test_disk_record_with_wrong_kv_is_cut_there(pair, reference):
+    """Disk loads write each record's payload into its cache block before verifying it there. Block 1's record carries
+    wrong KV in every value (header and checksum still block 1's): it lands in the block, fails verification, and the
+    decode cuts the prompt there and recomputes from it on: the output equals the monolithic engine's token for token
+    (used, these values change it), and the damaged record is replaced."""
+    if pair.name != "disk":
+        pytest.skip("the disk connector's in-place reads")
+    prompts, expected = reference
+    toks = prompts["wrong_kv"]
+    conn = pair.decode.engine.connector
+    assert conn._loads_in_place()
+    params = pair.handoff({"wrong_kv": toks})["wrong_kv"]
+    store = pair.prefill.engine.connector.store
+    record = next(store.root.glob(f"*/{params['block_hashes'][1]}.kvb"))
+    header = record.read_bytes()[:block_codec.HEADER_SIZE]
+    damaged = header + torch.full(conn.block_shape, 30.0, dtype=conn.dtype).numpy().tobytes()
+    record.write_bytes(damaged)
+    before, stats0 = pair.metrics(), pair.decode.engine.get_stats()
+    out = pair.decode_run({"wrong_kv": toks}, {"wrong_kv": params})["wrong_kv"]
+    assert out.error is None and out.outputs[0].token_ids == expected["wrong_kv"]
+    assert pair.metrics()["kv_load_failures{kind=corrupt}"] - before["kv_load_failures{kind=corrupt}"] == 1
+    stats = pair.decode.engine.get_stats()
+    loaded_end = len(toks) // 16 * 16
+    assert stats.recomputed_tokens - stats0.recomputed_tokens == min(loaded_end, len(toks) - 1) - 16   # block 0 kept
+    conn.flush()
+    assert record.read_bytes() != damaged        # deleted, then saved again from the recomputed block
+
+
+def test_disk_load_stuck_past_its_deadline_keeps_its_blocks_through_an_abort(pair, reference):
+    """Disk loads read records straight into the decode's cache blocks. The second block's record is a FIFO whose
+    read stalls mid-block (a hung disk): past the load's deadline the request is aborted, and the engine still holds
+    every block of it (none goes back to the pool, so none can get a new owner) until the read has returned; then
+    they are freed, no damaged bytes reach the store, and the prompt loads and answers as the monolithic engine."""
+    if pair.name != "disk":
+        pytest.skip("the disk connector's in-place reads")
+    prompts, expected = reference
+    toks = prompts["stuck"]
+    engine, conn = pair.decode.engine, pair.decode.engine.connector
+    params = pair.handoff({"stuck": toks})["stuck"]
+    store = pair.prefill.engine.connector.store
+    records = [next(store.root.glob(f"*/{h}.kvb")) for h in params["block_hashes"]]
+    saved = [r.read_bytes() for r in records]
+    go, _ = slow_record(records[1], saved[1], len(saved[1]) // 2)
+    pool = engine.scheduler.kv.pool
+    free0, before = pool.get_num_free_blocks(), pair.metrics()
+    conn.load_timeout_s, conn.read_threads = 0.2, 1           # watchdog 1.4 s; blocks read in order
+    try:
+        engine.add_request("stuck-1", toks, _greedy(), kv_transfer_params=params)
+        end = time.monotonic() + 2.2
+        while time.monotonic() < end:                           # past the deadline, the read still stalled
+            assert not engine.step()
+            time.sleep(0.01)
+        assert pair.metrics()["kv_loads_overdue"] - before.get("kv_loads_overdue", 0) == 1
+        engine.abort_request("stuck-1")
+        _pump(engine, 0.3)
+        assert pool.get_num_free_blocks() == free0 - -(-len(toks) // 16)    # all its blocks still held
+        go.set()
+        end = time.monotonic() + 10
+        while pool.get_num_free_blocks() < free0:               # released once the read has returned
+            engine.step()
+            assert time.monotonic() < end, "the aborted load's blocks were never freed"
+            time.sleep(0.01)
+    finally:
+        go.set()
+        conn.load_timeout_s, conn.read_threads = 10.0, 4
+    assert pair.metrics()["kv_load_failures{kind=timeout}"] - before["kv_load_failures{kind=timeout}"] == 1
+    conn.flush()
+    records[1].unlink()
+    records[1].write_bytes(saved[1])
+    assert [r.read_bytes() for r in records] == saved          # nothing of the aborted load was written back
+    out = pair.decode_run({"stuck": toks}, {"stuck": params})["stuck"]
+    assert out.error is None and out.outputs[0].token_ids == expected["stuck"]
 
 
 def test_fail_policy_ends_with_a_clean_error(pair, reference):

@@ -17,8 +17,9 @@ from tests.support.redis import redis_server
 from tests.support.stepping import step_until_finished
 
 MAX_TOKENS = 8
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-        "metal type, oil-based ink and a screw press adapted from wine making.\nQ: Why is the sky blue?\nA:")
+# 48 tokens: block-aligned, so the decode loads every block, the last one (holding the final token) too.
+TEXT = ("The history of the printing press begins in the fifteenth century in Mainz, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a screw press adapted from wine making.\nQ: Why is the sky blue?\nA:")
 REJECTED = "kv_params_rejected{reason=lora_mismatch}"
 
 
@@ -61,7 +62,8 @@ def test_pd_with_adapters(pair, request):
     prefill, decode = pair
     tag = request.node.callspec.id
     prompt = prefill.tokenizer.encode(TEXT, add_special_tokens=False)
-    num_blocks = (len(prompt) - 1) // 16
+    assert len(prompt) % 16 == 0
+    num_blocks = len(prompt) // 16                                             # every full block, the last one too
     assert num_blocks >= 2
 
     def handoff(rid):
