@@ -2,8 +2,10 @@
 
 Decode tokens (one new token per sequence) run the paged C++ kernel (kernels/paged_decode_cpu.py) on CPU where it is
 built and not switched off, reading K/V blocks in place; elsewhere they are batched into a few GEMM pairs over padded
-gathers of their contexts, bucketed by length so that padding stays small; prefill chunks run one SDPA call per sequence with a causal mask offset
-by the cached context length. The bucketing is planned once per step and shared by all layers.
+gathers of their contexts, bucketed by length so that padding stays small. Prefill chunks over a bf16 cache run the
+paged AMX prefill kernel (kernels/paged_prefill_cpu.py) on CPU where it is built, all of a step's chunks in one call;
+elsewhere one SDPA call per sequence with a causal mask offset by the cached context length. The plan is made once per
+step and shared by all layers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.runtime.llm import LLM
 from pdserve.runtime.sampling_params import SamplingParams
-from tests.kv.test_pd_engine import _pump, _run
+from tests.kv.test_pd_engine import DTYPE, _pump, _run
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +27,13 @@ TEXTS = {
     {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 16}], ids=["ngram", "draft_model"])
 def test_decode_pod_speculates_after_kv_transfer(spec, tmp_path):
     cfg = {"path": str(tmp_path)}
-    mono = LLM(num_gpu_blocks=BLOCKS)
+    mono = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE)   # exact equality across batchings: float32 (see DTYPE)
     prompts = {k: mono.tokenizer.encode(v, add_special_tokens=False) for k, v in TEXTS.items()}
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = {k: o.outputs[0].token_ids for k, o in zip(prompts, mono.generate(list(prompts.values()), greedy))}
     mono.shutdown()
-    prefill = LLM(num_gpu_blocks=BLOCKS, kv_connector="disk", kv_role="prefill", kv_connector_config=cfg)
-    decode = LLM(num_gpu_blocks=BLOCKS, kv_connector="disk", kv_role="decode", kv_connector_config=cfg,
+    prefill = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE, kv_connector="disk", kv_role="prefill", kv_connector_config=cfg)
+    decode = LLM(num_gpu_blocks=BLOCKS, dtype=DTYPE, kv_connector="disk", kv_role="decode", kv_connector_config=cfg,
                  speculative_config=spec)
     try:
         handed = _run(prefill.engine, [(k, p, 1, {"do_remote_decode": True, "do_remote_prefill": False})
