@@ -1,0 +1,97 @@
+"""pdserve's bf16 CPU kernels vs the torch paths they replace, same inputs, same run (per call, median of repeats).
+
+- Prefill attention (kernels/paged_prefill_cpu.py, AMX) vs the torch path (SDPA per sequence, plus the gathered
+  context and mask of a chunk that continues a cached prefix), both through ``paged_attention_ref`` with the step's
+  plan, as the engine calls them: whole prompts of 64-2,048 tokens, a 256-token chunk after 394 cached tokens, and a
+  step of 8 mixed prompts. Default model shapes: 9 heads, 3 KV heads, head_dim 64, block 16.
+- The fused elementwise ops (kernels/fused_cpu.py) vs the eager chains: RMSNorm, residual add + RMSNorm, RoPE on the
+  q/k view, SiLU(gate) * up, at 32, 512 and 2,048 rows (hidden 576, intermediate 1,536).
+
+    python benchmarks/cpu_kernels.py [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attention import make_batch
+from pdserve.kernels import fused_cpu, paged_prefill_cpu, torch_ref
+from pdserve.runtime.models.llama import RMSNorm, rotate_half
+
+H, HKV, D, BS = 9, 3, 64, 16
+
+
+def timed(fn, repeat: int) -> float:
+    """Median ms per call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def prefill(q_lens: list[int], seq_lens: list[int], repeat: int) -> tuple[float, float]:
+    kv, meta = make_batch(q_lens, seq_lens, BS, HKV, D, torch.bfloat16, "cpu")
+    q = torch.randn(sum(q_lens), H, D).bfloat16()
+    out = {}
+    for path in ("torch", "paged"):
+        plan = torch_ref.plan_step(meta, BS, q.device, paged_prefill=path == "paged")
+        out[path] = timed(lambda: torch_ref.paged_attention_ref(q, kv, meta, D ** -0.5, plan=plan), repeat)
+    return out["torch"], out["paged"]
+
+
+def elementwise(rows: int, repeat: int) -> dict[str, tuple[float, float]]:
+    gen = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(rows, 576, generator=gen).bfloat16() for _ in range(2))
+    qkv = torch.randn(rows, 960, generator=gen).bfloat16()
+    qk = qkv[:, :768].view(rows, 12, D)
+    cos, sin = (torch.randn(rows, 1, D, generator=gen).bfloat16() for _ in range(2))
+    gate_up = torch.randn(rows, 3072, generator=gen).bfloat16()
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    ops = torch.ops.pdserve_fused_cpu
+    cases = {
+        "RMSNorm": (lambda: norm(x), lambda: ops.rms_norm(x, None, norm.weight, 1e-5)),
+        "add + RMSNorm": (lambda: norm(res + x), lambda: ops.rms_norm(x, res, norm.weight, 1e-5)),
+        "RoPE (q and k)": (lambda: qk * cos + rotate_half(qk) * sin, lambda: ops.rope(qk, cos, sin)),
+        "SiLU(gate) * up": (lambda: F.silu(gate_up[:, :1536]).mul_(gate_up[:, 1536:]), lambda: ops.silu_mul(gate_up)),
+    }
+    os.environ["PDSERVE_CPU_FUSED_ELEMENTWISE"] = "0"   # RMSNorm's own forward: the eager chain
+    out = {name: (timed(eager, repeat), timed(fused, repeat)) for name, (eager, fused) in cases.items()}
+    os.environ.pop("PDSERVE_CPU_FUSED_ELEMENTWISE")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for what, reason in (("prefill kernel", paged_prefill_cpu.load_extension()), ("fused ops", fused_cpu.load_extension())):
+        if reason:
+            raise SystemExit(f"{what} not available here: {reason}")
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'prefill attention, one layer':44s} {'torch ms':>9s} {'kernel ms':>9s} {'speed-up':>8s}")
+    steps = {"1 prompt of 64": ([64], [64]), "1 prompt of 340": ([340], [340]), "1 prompt of 650": ([650], [650]),
+             "1 prompt of 2,048": ([2048], [2048]), "256-token chunk after 394 cached": ([256], [650]),
+             "8 prompts of 30-650 (one step)": ([30, 90, 170, 250, 330, 410, 490, 650],) * 2}
+    for name, (q_lens, seq_lens) in steps.items():
+        t, k = prefill(q_lens, seq_lens, args.repeat)
+        print(f"{name:44s} {t:9.3f} {k:9.3f} {t / k:7.2f}x")
+    for rows in (32, 512, 2048):
+        print(f"{f'elementwise, {rows} rows':44s} {'eager ms':>9s} {'fused ms':>9s}")
+        for name, (e, f) in elementwise(rows, args.repeat).items():
+            print(f"  {name:42s} {e:9.3f} {f:9.3f} {e / f:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
