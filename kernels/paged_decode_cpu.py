@@ -71,8 +71,14 @@ struct Args {
 void softmax_rows(float* sc, int64_t G, int64_t L, bool to_bf16) {
   for (int64_t g = 0; g < G; g++) {
     float* s = sc + g * L, m = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < L; t++) m = std::max(m, s[t]);
     int64_t t = 0;
+#ifdef PD_AVX512
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= L; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    m = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; t < L; t++) m = std::max(m, s[t]);
+    t = 0;
 #ifdef PD_AVX512
     __m512 vs = _mm512_setzero_ps(), vm = _mm512_set1_ps(m);
     for (; t + 16 <= L; t += 16) {
@@ -84,10 +90,21 @@ void softmax_rows(float* sc, int64_t G, int64_t L, bool to_bf16) {
 #endif
     for (; t < L; t++) { s[t] = std::exp(s[t] - m); sum += s[t]; }
     const float inv = 1.f / sum;
+    t = 0;
+#ifdef PD_AVX512
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; t + 16 <= L; t += 16) {  // round_bf16, 16 lanes at a time: (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000
+      const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+      const __m512 p = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
+      _mm512_storeu_ps(s + t, to_bf16 ? p : _mm512_castsi512_ps(u));
+    }
+#endif
     if (to_bf16)
-      for (t = 0; t < L; t++) s[t] = round_bf16(s[t] * inv);
+      for (; t < L; t++) s[t] = round_bf16(s[t] * inv);
     else
-      for (t = 0; t < L; t++) s[t] *= inv;
+      for (; t < L; t++) s[t] *= inv;
   }
 }
 

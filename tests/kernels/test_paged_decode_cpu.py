@@ -128,8 +128,9 @@ def test_portable_path_builds_and_matches():
 @pytest.fixture(scope="module")
 def greedy_runs():
     """Greedy tokens of 8 prompts from a bf16 engine on the torch decode path, then the kernel's top-1 choices on
-    the same contexts (same weights), counting the kernel's calls. Prefills run torch's SDPA in both runs, so that
-    only the decode path differs (the prefill kernel has its own test: tests/kernels/test_paged_prefill_cpu.py)."""
+    the same contexts (same weights), counting the kernel's calls. Prefills run torch's SDPA and the elementwise ops
+    eager torch in both runs, so that only the decode path differs (the prefill kernel and the fused ops have their
+    own agreement tests: tests/kernels/test_paged_prefill_cpu.py, tests/kernels/test_fused_cpu.py)."""
     from pdserve.runtime import LLM, SamplingParams
 
     mp = pytest.MonkeyPatch()
@@ -141,6 +142,7 @@ def greedy_runs():
                "import numpy as np\n"]
     runs, reference = {}, None
     mp.setenv("PDSERVE_CPU_PREFILL_ATTENTION", "torch")
+    mp.setenv("PDSERVE_CPU_FUSED_ELEMENTWISE", "0")
     try:
         for path in ("torch", "paged"):
             mp.setenv("PDSERVE_CPU_DECODE_ATTENTION", path)
