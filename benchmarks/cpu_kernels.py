@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from attention import make_batch
+from attention import bench, make_batch
 from pdserve.kernels import fused_cpu, paged_prefill_cpu, torch_ref
 from pdserve.runtime.models.llama import RMSNorm, rotate_half
 
@@ -29,13 +27,7 @@ H, HKV, D, BS = 9, 3, 64, 16
 
 def timed(fn, repeat: int) -> float:
     """Median ms per call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return bench(fn, "cpu", repeat) * 1e3
 
 
 def prefill(q_lens: list[int], seq_lens: list[int], repeat: int) -> tuple[float, float]:

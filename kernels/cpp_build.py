@@ -59,3 +59,16 @@ def build(prefix: str, source: str, cflags: list[str], what: str) -> str | None:
         log.info("built %s (%s) in %.1f s into %s", what, "AVX-512" if "-mavx512f" in cflags else "portable C++",
                  time.perf_counter() - t0, build_dir)
     return None
+
+
+def build_for(prefix: str, source: str, needs: tuple[str, ...], what: str) -> str | None:
+    """:func:`build` for a source that needs the CPU flags ``needs`` (compiled with them), whose library defines an
+    ``available()`` op saying whether this process can run it; None, or the reason it cannot be used."""
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if missing := sorted(set(needs) - cpu_flags()):
+        return f"{what} needs CPU flags this CPU lacks: {', '.join(missing)}"
+    reason = build(prefix, source, simd_cflags(needs), what)
+    if reason is None and not getattr(torch.ops, prefix).available():
+        reason = f"{what} cannot run in this process (built without {', '.join(needs)}, or not granted by the OS)"
+    return reason

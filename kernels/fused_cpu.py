@@ -190,14 +190,7 @@ TORCH_LIBRARY(pdserve_fused_cpu, m) {
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the ops; None when they work here, else why they cannot be used."""
-    from pdserve.runtime.cpu_features import cpu_flags
-
-    if "avx512_bf16" not in cpu_flags():
-        return "the CPU has no AVX512-BF16"
-    reason = cpp_build.build("pdserve_fused_cpu", SOURCE, cpp_build.simd_cflags(("avx512_bf16",)),
-                             "the fused CPU elementwise ops")
-    if reason is None and not torch.ops.pdserve_fused_cpu.available():
-        reason = "the fused CPU elementwise ops were built without AVX512-BF16"
+    reason = cpp_build.build_for("pdserve_fused_cpu", SOURCE, ("avx512_bf16",), "the fused CPU elementwise ops")
     if reason:
         log.warning("%s; bf16 RMSNorm, RoPE and SiLU run eager torch ops", reason)
     return reason

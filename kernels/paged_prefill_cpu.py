@@ -253,14 +253,8 @@ TORCH_LIBRARY(pdserve_prefill_cpu, m) {
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the kernel; None when it works here, else why it cannot be used."""
-    from pdserve.runtime.cpu_features import cpu_flags
-
-    if not {"avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags():
-        return "the CPU has no AMX-BF16"
-    reason = cpp_build.build("pdserve_prefill_cpu", SOURCE, cpp_build.simd_cflags(("avx512_bf16", "amx_tile", "amx_bf16")),
-                             "the paged prefill attention kernel")
-    if reason is None and not torch.ops.pdserve_prefill_cpu.available():
-        reason = "AMX is not available to this process (built without it, or not granted by the OS)"
+    reason = cpp_build.build_for("pdserve_prefill_cpu", SOURCE, ("avx512_bf16", "amx_tile", "amx_bf16"),
+                                 "the paged prefill attention kernel")
     if reason:
         log.warning("%s; CPU prefill attention uses torch's SDPA", reason)
     return reason

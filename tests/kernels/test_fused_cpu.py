@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import fused_cpu
 from pdserve.runtime.models.llama import RMSNorm, rotate_half
-from tests.support.forced_sampler import ForcedSampler
+from tests.support.forced_sampler import PROMPTS, agreement, drain, forced_greedy_runs
 
 BUILD = fused_cpu.load_extension()
 needs_ops = pytest.mark.skipif(BUILD is not None, reason=f"ops not built here: {BUILD}")
@@ -101,35 +101,15 @@ def test_switch_dtype_and_widths(monkeypatch):
 def greedy_runs():
     """8 prompts' greedy tokens from a bf16 engine on the eager ops, then its top-1 choices with the fused ops on the
     same contexts; counts of fused calls (what ``enabled`` granted) per run, and a float32 engine's count."""
-    from pdserve.runtime import LLM, SamplingParams
-
-    mp = pytest.MonkeyPatch()
     granted = []
     real = fused_cpu.enabled
-    mp.setattr(fused_cpu, "enabled", lambda *a: (real(*a) and granted.append(1)) or real(*a))
-    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,",
-               "Q: Why is the sky blue?\nA:", "Translate to French: good morning", "The three primary colors are",
-               "import numpy as np\n"]
-    runs, reference = {}, None
-    try:
-        for name, dtype, fused in (("eager", "bfloat16", "0"), ("fused", "bfloat16", "1"), ("f32", "float32", "1")):
-            mp.setenv("PDSERVE_CPU_FUSED_ELEMENTWISE", fused)
-            granted.clear()
-            llm = LLM(dtype=dtype, max_model_len=512, num_gpu_blocks=64)
-            try:
-                engine = llm.engine
-                engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
-                for i, prompt in enumerate(prompts):
-                    engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-                while engine.has_unfinished_requests():
-                    engine.step()
-                runs[name] = (sampler.chosen, len(granted))
-                reference = reference or sampler.chosen
-            finally:
-                llm.shutdown()
-    finally:
-        mp.undo()
-    return runs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_cpu, "enabled", lambda *a: (real(*a) and granted.append(1)) or real(*a))
+        return forced_greedy_runs(
+            [(name, {"PDSERVE_CPU_FUSED_ELEMENTWISE": fused}, {"dtype": dtype}) for name, dtype, fused in
+             (("eager", "bfloat16", "0"), ("fused", "bfloat16", "1"), ("f32", "float32", "1"))],
+            PROMPTS, 24, probe=lambda: len(drain(granted)),
+            max_model_len=512, num_gpu_blocks=64)
 
 
 @needs_ops
@@ -138,6 +118,5 @@ def test_engine_runs_them_in_bf16_and_agrees_with_eager(greedy_runs):
     fused, fused_calls = greedy_runs["fused"]
     assert eager_calls == 0 and greedy_runs["f32"][1] == 0
     assert fused_calls >= 24 * 30 * 4       # norm, add + norm, RoPE, SiLU in every layer of every step
-    same = sum(a == b for rid in eager for a, b in zip(eager[rid], fused[rid]))
-    total = sum(len(t) for t in eager.values())
+    same, total = agreement(eager, fused)
     assert total == 8 * 24 and same / total >= 0.99, f"{same}/{total} positions agree"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.kernels import paged_decode_cpu, torch_ref
-from tests.support.forced_sampler import ForcedSampler
+from tests.support.forced_sampler import PROMPTS, agreement, drain, forced_greedy_runs
 
 CPU = torch.device("cpu")
 BUILD = paged_decode_cpu.load_extension()
@@ -131,36 +131,14 @@ def greedy_runs():
     the same contexts (same weights), counting the kernel's calls. Prefills run torch's SDPA and the elementwise ops
     eager torch in both runs, so that only the decode path differs (the prefill kernel and the fused ops have their
     own agreement tests: tests/kernels/test_paged_prefill_cpu.py, tests/kernels/test_fused_cpu.py)."""
-    from pdserve.runtime import LLM, SamplingParams
-
-    mp = pytest.MonkeyPatch()
     calls = []
     real = torch_ref.paged_decode
-    mp.setattr(torch_ref, "paged_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,",
-               "Q: Why is the sky blue?\nA:", "Translate to French: good morning", "The three primary colors are",
-               "import numpy as np\n"]
-    runs, reference = {}, None
-    mp.setenv("PDSERVE_CPU_PREFILL_ATTENTION", "torch")
-    mp.setenv("PDSERVE_CPU_FUSED_ELEMENTWISE", "0")
-    try:
-        for path in ("torch", "paged"):
-            mp.setenv("PDSERVE_CPU_DECODE_ATTENTION", path)
-            llm = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks=64)
-            try:
-                engine = llm.engine
-                engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
-                for i, prompt in enumerate(prompts):
-                    engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-                while engine.has_unfinished_requests():
-                    engine.step()
-                runs[path] = (sampler.chosen, len(calls))
-                reference = sampler.chosen
-            finally:
-                llm.shutdown()
-    finally:
-        mp.undo()
-    return runs
+    others = {"PDSERVE_CPU_PREFILL_ATTENTION": "torch", "PDSERVE_CPU_FUSED_ELEMENTWISE": "0"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_ref, "paged_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        return forced_greedy_runs([(path, {**others, "PDSERVE_CPU_DECODE_ATTENTION": path}, {})
+                                   for path in ("torch", "paged")], PROMPTS, 24, probe=lambda: len(drain(calls)),
+                                  dtype="bfloat16", max_model_len=512, num_gpu_blocks=64)
 
 
 @needs_kernel
@@ -168,6 +146,5 @@ def test_engine_runs_the_kernel_and_agrees_with_the_torch_path(greedy_runs):
     torch_tokens, torch_calls = greedy_runs["torch"]
     paged_tokens, paged_calls = greedy_runs["paged"]
     assert torch_calls == 0 and paged_calls >= 23 * 30   # one call a layer a decode step (30 layers)
-    same = sum(a == b for rid in torch_tokens for a, b in zip(torch_tokens[rid], paged_tokens[rid]))
-    total = sum(len(t) for t in torch_tokens.values())
+    same, total = agreement(torch_tokens, paged_tokens)
     assert total == 8 * 24 and same / total >= 0.99, f"{same}/{total} positions agree"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import paged_prefill_cpu
-from tests.support.forced_sampler import ForcedSampler
+from tests.support.forced_sampler import agreement, drain, forced_greedy_runs
 
 CPU = torch.device("cpu")
 BUILD = paged_prefill_cpu.load_extension()
@@ -146,35 +146,17 @@ def test_switch_dtype_and_head_dim(monkeypatch):
 def greedy_runs():
     """Greedy tokens of 6 prompts (44-300 tokens, prefilled in chunks of at most 64 tokens) from a bf16 engine with
     prefills on torch's SDPA, then the kernel's top-1 choices on the same contexts; the kernel's calls recorded."""
-    from pdserve.runtime import LLM, SamplingParams
-
-    mp = pytest.MonkeyPatch()
     calls = []
     real = paged_prefill_cpu.paged_prefill
-    mp.setattr(paged_prefill_cpu, "paged_prefill", lambda *a: calls.append(a[4].tolist()) or real(*a))
     words = ("the river ran past old stone mills where children counted boats and the wind carried songs of "
              "harvest over fields of barley toward the distant sea").split()
     prompts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(n))
                for i, n in enumerate((40, 90, 150, 200, 250, 280))]
-    runs, reference = {}, None
-    try:
-        for path in ("torch", "paged"):
-            mp.setenv("PDSERVE_CPU_PREFILL_ATTENTION", path)
-            llm = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks=160, max_num_batched_tokens=64)
-            try:
-                engine = llm.engine
-                engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
-                for i, prompt in enumerate(prompts):
-                    engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-                while engine.has_unfinished_requests():
-                    engine.step()
-                runs[path] = (sampler.chosen, list(calls))
-                reference = sampler.chosen
-            finally:
-                llm.shutdown()
-    finally:
-        mp.undo()
-    return runs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_prefill_cpu, "paged_prefill", lambda *a: calls.append(a[4].tolist()) or real(*a))
+        return forced_greedy_runs([(path, {"PDSERVE_CPU_PREFILL_ATTENTION": path}, {}) for path in ("torch", "paged")],
+                                  prompts, 16, probe=lambda: drain(calls),
+                                  dtype="bfloat16", max_model_len=512, num_gpu_blocks=160, max_num_batched_tokens=64)
 
 
 @needs_kernel
@@ -184,6 +166,5 @@ def test_engine_runs_the_kernel_and_agrees_with_sdpa(greedy_runs):
     assert not sdpa_calls and calls
     rows = [r for call in calls for r in call]
     assert any(n > q_len > 1 for _, q_len, n in rows)     # chunks that continue a cached prefix ran on it
-    same = sum(a == b for rid in sdpa_tokens for a, b in zip(sdpa_tokens[rid], tokens[rid]))
-    total = sum(len(t) for t in sdpa_tokens.values())
+    same, total = agreement(sdpa_tokens, tokens)
     assert total == 6 * 16 and same / total >= 0.99, f"{same}/{total} positions agree"
