@@ -1,7 +1,8 @@
 """The fused bf16 CPU elementwise ops (kernels/fused_cpu.py) against the eager torch chains they replace, on the same
 inputs: the residual add and RoPE bit for bit; RMSNorm and SiLU * up equal but for one bf16 rounding on a few elements
-(RMSNorm's mean is summed in another order, SiLU's exp is not Sleef's); bad shapes are errors; the bf16 engine runs them (and float32 does not) and its
-greedy choices agree with the eager path's, teacher-forced."""
+(RMSNorm's mean is summed in another order, SiLU's exp is not Sleef's; the bf16 engine's agreement with transformers,
+tests/runtime/test_dtype_default.py, depends on how few); bad shapes are errors; the bf16 engine runs them (and
+float32 does not) and its greedy choices agree with the eager path's, teacher-forced."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_silu_mul_within_one_rounding():
     gate_up = _bf16(200, 2 * 1536, seed=5, scale=4)
     got = torch.ops.pdserve_fused_cpu.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    _assert_nearly_equal(got, F.silu(gate).mul_(up))
+    _assert_nearly_equal(got, F.silu(gate).mul_(up), 1e-4)   # a reciprocal estimate for the division: ~1e-3
 
 
 @needs_ops
