@@ -82,8 +82,6 @@ void pack(const Args& a, const Seq& s, int64_t kh) {
   }
 }
 
-// R query rows of one (sequence, KV head), rows f0 .. f0 + R of its (query, head-in-group) pairs (f = i * G + g);
-// rows past the end repeat the last one and are not stored.
 // One thread's scratch: the tile's query rows, a chunk's scores (then its P @ V), bf16 probabilities, the output sums.
 struct Scratch {
   alignas(64) uint16_t q[16][64];
