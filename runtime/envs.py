@@ -64,6 +64,12 @@ def cpu_packed_gemm() -> bool:
     return os.environ.get("PDSERVE_CPU_PACKED_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cpu_amx_linear() -> bool:
+    """Whether bf16 dense linears on CPUs with AMX run pdserve's AMX kernel rather than oneDNN's packed one
+    (PDSERVE_CPU_AMX_LINEAR, default on; ``0`` keeps oneDNN: kernels/amx_linear.py)."""
+    return os.environ.get("PDSERVE_CPU_AMX_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def cpu_decode_attention() -> str:
     """PDSERVE_CPU_DECODE_ATTENTION: ``paged`` (default: the C++ kernel reading K/V blocks in place,
     kernels/paged_decode_cpu.py) or ``torch`` (padded gathers and GEMMs, kernels/torch_ref.py)."""

@@ -30,6 +30,13 @@ def test_packed_linear_is_bit_equal_to_f_linear(rows):
     torch.testing.assert_close(PackedLinear(w, b)(x3), F.linear(x3, w, b), rtol=1e-2, atol=2e-2)
 
 
+@pytest.fixture(autouse=True)
+def onednn(monkeypatch):
+    """These tests are about oneDNN's kernel: bf16 on an AMX CPU would pack for pdserve's own (tests/kernels/
+    test_amx_linear.py)."""
+    monkeypatch.setenv("PDSERVE_CPU_AMX_LINEAR", "0")
+
+
 @needs_packing
 def test_pack_linears_replaces_dense_linears_and_ties_the_head():
     class Tiny(nn.Module):
@@ -61,6 +68,7 @@ def greedy_runs():
     prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,",
                "Q: Why is the sky blue?\nA:", "Translate to French: good morning", "The three primary colors are",
                "import numpy as np\n"]
+    mp.setenv("PDSERVE_CPU_AMX_LINEAR", "0")
     try:
         for packed in ("0", "1"):
             mp.setenv("PDSERVE_CPU_PACKED_GEMM", packed)

@@ -46,6 +46,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.kernels.amx_linear import AmxLinear
 from pdserve.kernels.packed_linear import PackedLinear
 from pdserve.runtime import LLM, SamplingParams
 from pdserve.runtime.model_loader import resolve_model_path
@@ -212,7 +213,7 @@ def test_auto_keeps_the_default_model_dense():
         dtype = torch.bfloat16 if fast_bf16_flag() else torch.float32
         assert llm.engine.dtype == dtype
         # dense: a float nn.Linear, or the same weight packed for oneDNN (bf16 on CPU: kernels/packed_linear.py)
-        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, (torch.nn.Linear, PackedLinear))
+        assert isinstance(llm.engine.model.layers[0].mlp.gate_up_proj, (torch.nn.Linear, PackedLinear, AmxLinear))
         assert _bytes(llm) > 500_000_000 * dtype.itemsize // 4  # dense: ~134.5M parameters at full width
     finally:
         llm.shutdown()

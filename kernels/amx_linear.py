@@ -1,0 +1,245 @@
+"""Dense bf16 linears on CPU on AMX tiles, the weight pre-packed once into the tiles' pair-interleaved layout.
+
+``x (M, K) @ w.T (+ b) -> (M, N)``: the weight is stored as ``(N/16, K/32, 16, 32)`` bf16 (zero-padded), so the 16
+output columns of one block stream their whole K contiguously, 1 KiB per tile; each thread takes a range of column
+blocks and, for up to 64 rows at a time, accumulates up to four 16 x 16 float32 tiles (``tdpbf16ps``), then rounds
+them (plus the bias) to bf16 once, as oneDNN's bf16 GEMM does. Rows are padded to a multiple of 16 and K to 32.
+
+Why: a decode step multiplies a few to a few dozen rows by every weight of the model, so it costs reading the
+weights. oneDNN's packed linear (kernels/packed_linear.py) read them at 11 GB/s at 1-8 rows and 7-8 GB/s at 24-64
+rows on this 2-core host, whose memory reads at ~19 GB/s; a column block per tile stream keeps the reads sequential
+and the products (16 rows of K 32 per instruction) far from the limit. Not bit-equal to oneDNN: float32 sums in
+another order, then one bf16 rounding; tests/kernels/test_amx_linear.py checks it against float64 and the bf16
+engine's agreement with the oneDNN path.
+
+Built on first use (kernels/cpp_build.py) where the CPU has AMX-BF16 and the OS grants it; elsewhere, on a build
+failure or with ``PDSERVE_CPU_AMX_LINEAR=0``, bf16 linears stay on oneDNN's packed kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from pdserve.kernels import cpp_build
+from pdserve.kernels.cpu_simd import AMX_HELPERS
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PD_AMX 1
+#endif
+
+namespace {
+#ifdef PD_AMX
+""" + AMX_HELPERS + r"""
+
+// C tiles 0..MT-1 += A rows (16 per tile, lda elements apart) x one column block's B tiles, over kb K-blocks of 32.
+template <int MT>
+void tiles(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kb, float* c) {
+  _tile_zero(0);
+  if constexpr (MT > 1) _tile_zero(1);
+  if constexpr (MT > 2) _tile_zero(2);
+  if constexpr (MT > 3) _tile_zero(3);
+  for (int64_t k = 0; k < kb; k++) {
+    const uint16_t* ak = a + k * 32;
+    _mm_prefetch((const char*)(b + (k + 4) * 512), _MM_HINT_T0);
+    _tile_loadd(5, b + k * 512, 64);
+    _tile_loadd(4, ak, lda * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (MT > 1) { _tile_loadd(6, ak + 16 * lda, lda * 2); _tile_dpbf16ps(1, 6, 5); }
+    if constexpr (MT > 2) { _tile_loadd(4, ak + 32 * lda, lda * 2); _tile_dpbf16ps(2, 4, 5); }
+    if constexpr (MT > 3) { _tile_loadd(6, ak + 48 * lda, lda * 2); _tile_dpbf16ps(3, 6, 5); }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (MT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (MT > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (MT > 3) _tile_stored(3, c + 768, 64);
+}
+
+// Many rows: C tiles (rows 0-15, 16-31) x (column blocks b0, b1) += 32 rows of A x two column blocks' B tiles, so each
+// K step loads four tiles for four products.
+void tiles22(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t kb, float* c) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k = 0; k < kb; k++) {
+    _tile_loadd(4, a + k * 32, lda * 2);
+    _tile_loadd(6, b0 + k * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + k * 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * lda + k * 32, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+#endif
+
+bool available() {
+#ifdef PD_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// (N, K) bf16 -> (N/16, K/32, 16, 32) bf16, zero-padded: tile row r of a K-block holds, for each of the block's 16
+// columns n, the pair (w[n][k0 + 2r], w[n][k0 + 2r + 1]).
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w: bf16 (N, K)");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), nb = (N + 15) / 16, kb = (K + 31) / 32;
+  at::Tensor out = at::zeros({nb, kb, 16, 32}, w.options());
+  const uint16_t* src = (const uint16_t*)wc.data_ptr();
+  uint16_t* dst = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, nb, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++)
+      for (int64_t n = j * 16; n < std::min(N, j * 16 + 16); n++)
+        for (int64_t k = 0; k < K; k++)
+          dst[((j * kb + k / 32) * 16 + (k % 32) / 2) * 32 + (n % 16) * 2 + k % 2] = src[n * K + k];
+  });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 (M, K)");
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
+              wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
+  const int64_t M = x.size(0), K = x.size(1), nb = wp.size(0), kb = wp.size(1);
+  TORCH_CHECK(kb == (K + 31) / 32 && nb == (N + 15) / 16, "x: K of the packed weight; N: its rows");
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias: (N,)");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#ifdef PD_AMX
+  const int64_t Mp = (M + 15) / 16 * 16, Kp = kb * 32;
+  at::Tensor xa = x;
+  if (Mp != M || Kp != K || !x.is_contiguous()) {  // zero-padded rows and K: whole tiles, no reads past the end
+    xa = at::zeros({Mp, Kp}, x.options());
+    xa.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  }
+  const uint16_t* a = (const uint16_t*)xa.data_ptr();
+  const uint16_t* b = (const uint16_t*)wp.data_ptr();
+  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  uint16_t* o = (uint16_t*)out.data_ptr();
+  // Rows r of tile c (16 x 16 floats) plus the bias, rounded to bf16, into rows m0.. of column block j.
+  auto store = [&](const float* c, int64_t m0, int64_t j) {
+    const int64_t n0 = j * 16, cols = std::min<int64_t>(16, N - n0);
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 bv = bp ? _mm512_maskz_loadu_ps(keep, bp + n0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < 16 && m0 + r < M; r++) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * 16), bv));
+      _mm256_mask_storeu_epi16(o + (m0 + r) * N + n0, keep, h);
+    }
+  };
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), nb);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    Tiles amx;
+    alignas(64) float c[4 * 256];
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t j0 = nb * t / nt, j1 = nb * (t + 1) / nt;
+      int64_t j = j0;
+      if (Mp > 32)   // each column block pair is read from L1/L2 once per 32 rows
+        for (; j + 1 < j1; j += 2)
+          for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            if (Mp - m0 < 32) {
+              tiles<1>(a + m0 * Kp, Kp, b + j * kb * 512, kb, c);
+              tiles<1>(a + m0 * Kp, Kp, b + (j + 1) * kb * 512, kb, c + 256);
+              store(c, m0, j); store(c + 256, m0, j + 1);
+              continue;
+            }
+            tiles22(a + m0 * Kp, Kp, b + j * kb * 512, b + (j + 1) * kb * 512, kb, c);
+            store(c, m0, j); store(c + 256, m0, j + 1); store(c + 512, m0 + 16, j); store(c + 768, m0 + 16, j + 1);
+          }
+      for (; j < j1; j++)   // few rows: each column block is streamed from memory once
+        for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
+          const int64_t mt = std::min<int64_t>(4, (Mp - m0) / 16);
+          const uint16_t* am = a + m0 * Kp;
+          const uint16_t* bj = b + j * kb * 512;
+          switch (mt) {
+            case 1: tiles<1>(am, Kp, bj, kb, c); break;
+            case 2: tiles<2>(am, Kp, bj, kb, c); break;
+            case 3: tiles<3>(am, Kp, bj, kb, c); break;
+            default: tiles<4>(am, Kp, bj, kb, c); break;
+          }
+          for (int64_t i = 0; i < mt; i++) store(c + i * 256, m0 + 16 * i, j);
+        }
+    }
+  });
+#else
+  TORCH_CHECK(false, "built without AMX");
+#endif
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_amx_linear, m) {
+  m.def("available() -> bool");
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor");
+  m.impl("available", available);
+  m.impl("pack", c10::DispatchKey::CPU, TORCH_FN(pack));
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the kernel; None when it works, else why it cannot be used."""
+    reason = cpp_build.build_for("pdserve_amx_linear", SOURCE, ("avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
+                                 "the AMX linear kernel")
+    if reason:
+        log.warning("%s; bf16 linears stay on oneDNN", reason)
+    return reason
+
+
+MAX_ROWS = 32   # up to here its output equals oneDNN's bit for bit; above, oneDNN's blocking sums in another order
+
+
+class AmxLinear(nn.Module):
+    """``x (..., K) -> x @ w.T + b (..., N)`` in bf16: up to :data:`MAX_ROWS` rows (decode) on this kernel, more
+    (prefill) on oneDNN's packed kernel. ``w`` is held in both packed layouts (attributes, not parameters: they never
+    enter a state dict or a device move), so dense weights take twice their size in memory.
+
+    Why not this kernel for every row count: it is as fast as oneDNN from 128 rows on, but above 32 rows oneDNN's
+    blocking changes its summation order and this kernel's does not, and the ~1e-4 of outputs that then round 1 bf16
+    ulp apart moved the bf16 engine's teacher-forced agreement with transformers bf16 from 0.992 to 0.984
+    (tests/runtime/test_dtype_default.py). Up to 32 rows the two are bit-equal, so nothing changes but speed."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from pdserve.kernels.packed_linear import PackedLinear
+
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.pdserve_amx_linear.pack(weight.detach())
+        self.onednn = PackedLinear(weight, bias)
+        self.opaque_weight_bytes = self.packed.nbytes   # for quantization.weight_bytes (oneDNN's copy counts itself)
+        self.bias = self.onednn.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_ROWS:
+            return self.onednn(x)
+        out = torch.ops.pdserve_amx_linear.linear(rows, self.packed, self.bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
