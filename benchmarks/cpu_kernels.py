@@ -4,6 +4,10 @@
   context and mask of a chunk that continues a cached prefix), both through ``paged_attention_ref`` with the step's
   plan, as the engine calls them: whole prompts of 64-2,048 tokens, a 256-token chunk after 394 cached tokens, and a
   step of 8 mixed prompts. Default model shapes: 9 heads, 3 KV heads, head_dim 64, block 16.
+- Decode attention (kernels/paged_decode_cpu.py) vs the torch path (padded gather + GEMMs), all 30 layers of an
+  engine-shaped bf16 cache, 1-64 sequences.
+- Decode's linears (kernels/amx_linear.py, AMX) vs oneDNN's packed linear (kernels/packed_linear.py): all 121 dense
+  linears of the default model at 1-512 rows (the engine uses the AMX kernel up to 32 rows).
 - The fused elementwise ops (kernels/fused_cpu.py) vs the eager chains: RMSNorm, residual add + RMSNorm, RoPE on the
   q/k view, SiLU(gate) * up, at 32, 512 and 2,048 rows (hidden 576, intermediate 1,536).
 
@@ -19,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from attention import bench, make_batch
-from pdserve.kernels import fused_cpu, paged_prefill_cpu, torch_ref
+from pdserve.kernels import amx_linear, fused_cpu, paged_prefill_cpu, torch_ref
+from pdserve.kernels.packed_linear import PackedLinear
 from pdserve.runtime.models.llama import RMSNorm, rotate_half
 
 H, HKV, D, BS = 9, 3, 64, 16
@@ -61,6 +66,46 @@ def elementwise(rows: int, repeat: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
+    """Decode attention of ``seqs`` sequences over ``context`` tokens, all 30 layers of an engine-shaped cache
+    (block-major: a block holds every layer's K and V, so each layer's rows of consecutive blocks lie ~370 KB apart,
+    out of the CPU's caches like a serving engine's), shuffled blocks: the torch path (padded gather + GEMMs) vs the
+    paged kernel, ms."""
+    from pdserve.kernels.base import AttentionMetadata
+
+    layers, nb = 30, -(-context // BS)
+    num_blocks = max(seqs * nb + 1, 2048)
+    gen = torch.Generator().manual_seed(seqs)
+    cache = torch.randn(num_blocks, layers, 2, BS, HKV, D, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * nb].view(seqs, nb).int()
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(seqs, dtype=torch.long), query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
+        seq_lens=torch.full((seqs,), context, dtype=torch.int32), block_tables=tables, max_query_len=1,
+        max_seq_len=context, query_lens_cpu=[1] * seqs, seq_lens_cpu=[context] * seqs)
+    q = torch.randn(seqs, H, D, generator=gen).bfloat16()
+    out = {}
+    for paged in (False, True):
+        plan = torch_ref.plan_step(meta, BS, q.device, paged=paged)
+        out[paged] = timed(lambda: [torch_ref.paged_attention_ref(q, cache[:, i], meta, D ** -0.5, plan=plan)
+                                    for i in range(layers)], repeat)
+    return out[False], out[True]
+
+
+def linears(rows: int, repeat: int) -> tuple[float, float, int]:
+    """All 121 dense linears of the default model (per layer q/k/v, o, gate/up, down; the LM head) at ``rows`` rows:
+    oneDNN's packed linear vs the AMX kernel (ms each), and the weight bytes they read."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
+    onednn = [PackedLinear(w, None) for w in weights]
+    amx = [(torch.ops.pdserve_amx_linear.pack(w), w.shape[0]) for w in weights]
+    xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+    t_onednn = timed(lambda: [lin(xs[lin.in_features]) for lin in onednn], repeat)
+    t_amx = timed(lambda: [torch.ops.pdserve_amx_linear.linear(xs[w.shape[1]], wp, None, n)
+                           for w, (wp, n) in zip(weights, amx)], repeat)
+    return t_onednn, t_amx, sum(w.nbytes for w in weights)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -68,7 +113,8 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    for what, reason in (("prefill kernel", paged_prefill_cpu.load_extension()), ("fused ops", fused_cpu.load_extension())):
+    for what, reason in (("prefill kernel", paged_prefill_cpu.load_extension()), ("fused ops", fused_cpu.load_extension()),
+                         ("AMX linear", amx_linear.load_extension())):
         if reason:
             raise SystemExit(f"{what} not available here: {reason}")
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
@@ -79,6 +125,14 @@ def main() -> None:
     for name, (q_lens, seq_lens) in steps.items():
         t, k = prefill(q_lens, seq_lens, args.repeat)
         print(f"{name:44s} {t:9.3f} {k:9.3f} {t / k:7.2f}x")
+    print(f"{'decode attention, 30 layers, bf16':44s} {'torch ms':>9s} {'kernel ms':>9s}")
+    for seqs, context in ((1, 1000), (8, 800), (32, 400), (64, 300)):
+        t, k = decode(seqs, context, max(3, args.repeat // 4))
+        print(f"  {f'{seqs} sequences of {context} tokens':42s} {t:9.1f} {k:9.1f} {t / k:7.2f}x")
+    print(f"{'all 121 linears (GB/s: weight bytes read)':44s} {'oneDNN ms':>9s} {'AMX ms':>9s}")
+    for rows in (1, 8, 24, 32, 64, 128, 512):
+        o, a, nbytes = linears(rows, max(3, args.repeat // 4))
+        print(f"  {f'{rows} rows':42s} {o:9.1f} {a:9.1f} {o / a:7.2f}x  ({nbytes / o / 1e6:.1f} / {nbytes / a / 1e6:.1f} GB/s)")
     for rows in (32, 512, 2048):
         print(f"{f'elementwise, {rows} rows':44s} {'eager ms':>9s} {'fused ms':>9s}")
         for name, (e, f) in elementwise(rows, args.repeat).items():

@@ -64,6 +64,27 @@ def test_kernel_matches_float64(dtype, heads, kv_heads, head_dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
+def test_whole_sequence_items_equal_per_head_items(heads, kv_heads, head_dim):
+    """bf16, enough sequences for every thread: one work item per sequence, all its KV heads block by block
+    (``seq_fixed``); a lone sequence: one item per KV head (``item_fixed``). Both do the same arithmetic per head, so
+    a sequence's output is bit-equal either way, and within bf16's rounding of float64."""
+    lens = [1, 15, 16, 17, 33, 100, 250, 7]
+    q, kv, tables, lens_t = _case(torch.bfloat16, heads, kv_heads, head_dim, lens, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = paged_decode_cpu.paged_decode(q, kv, tables, lens_t, head_dim ** -0.5)   # 8 >= 2 x 2 threads
+        alone = torch.cat([paged_decode_cpu.paged_decode(q[b:b + 1], kv, tables[b:b + 1], lens_t[b:b + 1],
+                                                         head_dim ** -0.5) for b in range(len(lens))])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch, alone)
+    ref = _reference(q, kv, tables, lens_t, head_dim ** -0.5)
+    assert float((batch.double() - ref).abs().max() / ref.abs().max()) <= 1e-2
+
+
+@needs_kernel
 def test_peaked_scores_and_long_context():
     """A softmax dominated by one key (logit gaps far past float32's exp range) over a 1,000-token context."""
     q, kv, tables, lens = _case(torch.float32, 9, 3, 64, [1000, 37])
