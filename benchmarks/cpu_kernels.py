@@ -12,6 +12,7 @@
   q/k view, SiLU(gate) * up, at 32, 512 and 2,048 rows (hidden 576, intermediate 1,536).
 
     python benchmarks/cpu_kernels.py [--threads 1]
+    python benchmarks/cpu_kernels.py --compare-decode <git revision>   # the decode kernel then vs now
 """
 
 from __future__ import annotations
@@ -91,6 +92,41 @@ def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
     return out[False], out[True]
 
 
+def decode_kernel_of(ref: str):
+    """The paged decode kernel of git revision ``ref`` (kernels/paged_decode_cpu.py there), built under its own
+    library name next to this tree's: its ``decode`` op."""
+    import subprocess
+    import types
+    from pathlib import Path
+
+    from pdserve.kernels import cpp_build
+
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "show", f"{ref}:kernels/paged_decode_cpu.py"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    module = types.ModuleType("paged_decode_at_ref")
+    exec(compile(text, f"{ref}:kernels/paged_decode_cpu.py", "exec"), module.__dict__)
+    name = "pdserve_paged_cpu_ref"
+    if reason := cpp_build.build(name, module.SOURCE.replace("pdserve_paged_cpu", name), cpp_build.simd_cflags(),
+                                 f"the decode kernel of {ref}"):
+        raise SystemExit(reason)
+    return getattr(torch.ops, name).decode
+
+
+def decode_vs(ref_op, seqs: int, context: int, repeat: int) -> tuple[float, float]:
+    """The kernel of another revision vs this tree's, same inputs as :func:`decode` (all 30 layers), ms."""
+    layers, nb = 30, -(-context // BS)
+    num_blocks = max(seqs * nb + 1, 2048)
+    gen = torch.Generator().manual_seed(seqs)
+    cache = torch.randn(num_blocks, layers, 2, BS, HKV, D, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * nb].view(seqs, nb).contiguous()
+    lens = torch.full((seqs,), context, dtype=torch.long)
+    q = torch.randn(seqs, H, D, generator=gen)
+    ops = (ref_op, torch.ops.pdserve_paged_cpu.decode)
+    return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(layers)], repeat)
+                 for op in ops)
+
+
 def linears(rows: int, repeat: int) -> tuple[float, float, int]:
     """All 121 dense linears of the default model (per layer q/k/v, o, gate/up, down; the LM head) at ``rows`` rows:
     oneDNN's packed linear vs the AMX kernel (ms each), and the weight bytes they read."""
@@ -110,6 +146,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--compare-decode", metavar="REF", help="only the decode kernel: git revision REF's vs this tree's")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,6 +155,17 @@ def main() -> None:
         if reason:
             raise SystemExit(f"{what} not available here: {reason}")
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    if args.compare_decode:
+        from pdserve.kernels import paged_decode_cpu
+
+        if reason := paged_decode_cpu.load_extension():
+            raise SystemExit(reason)
+        ref_op = decode_kernel_of(args.compare_decode)
+        print(f"{'decode attention, 30 layers, bf16':44s} {args.compare_decode[:9]:>9s} {'this tree':>9s}")
+        for seqs, context in ((1, 1000), (2, 600), (8, 800), (32, 400), (64, 300)):
+            r, k = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4))
+            print(f"  {f'{seqs} sequences of {context} tokens':42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
+        return
     print(f"{'prefill attention, one layer':44s} {'torch ms':>9s} {'kernel ms':>9s} {'speed-up':>8s}")
     steps = {"1 prompt of 64": ([64], [64]), "1 prompt of 340": ([340], [340]), "1 prompt of 650": ([650], [650]),
              "1 prompt of 2,048": ([2048], [2048]), "256-token chunk after 394 cached": ([256], [650]),
