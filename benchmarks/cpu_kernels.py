@@ -67,28 +67,34 @@ def elementwise(rows: int, repeat: int) -> dict[str, tuple[float, float]]:
     return out
 
 
-def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
-    """Decode attention of ``seqs`` sequences over ``context`` tokens, all 30 layers of an engine-shaped cache
-    (block-major: a block holds every layer's K and V, so each layer's rows of consecutive blocks lie ~370 KB apart,
-    out of the CPU's caches like a serving engine's), shuffled blocks: the torch path (padded gather + GEMMs) vs the
-    paged kernel, ms."""
-    from pdserve.kernels.base import AttentionMetadata
-
-    layers, nb = 30, -(-context // BS)
+def decode_inputs(seqs: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An engine-shaped bf16 cache of 30 layers (block-major: a block holds every layer's K and V, so each layer's rows
+    of consecutive blocks lie ~370 KB apart, out of the CPU's caches like a serving engine's), shuffled block tables
+    (int64) of ``seqs`` sequences of ``context`` tokens, float32 queries."""
+    nb = -(-context // BS)
     num_blocks = max(seqs * nb + 1, 2048)
     gen = torch.Generator().manual_seed(seqs)
-    cache = torch.randn(num_blocks, layers, 2, BS, HKV, D, generator=gen).bfloat16()
-    tables = torch.randperm(num_blocks, generator=gen)[:seqs * nb].view(seqs, nb).int()
+    cache = torch.randn(num_blocks, 30, 2, BS, HKV, D, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * nb].view(seqs, nb).contiguous()
+    return cache, tables, torch.randn(seqs, H, D, generator=gen)
+
+
+def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
+    """Decode attention over :func:`decode_inputs`, all 30 layers: the torch path (padded gather + GEMMs) vs the paged
+    kernel, ms."""
+    from pdserve.kernels.base import AttentionMetadata
+
+    cache, tables, q = decode_inputs(seqs, context)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(seqs, dtype=torch.long), query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
-        seq_lens=torch.full((seqs,), context, dtype=torch.int32), block_tables=tables, max_query_len=1,
+        seq_lens=torch.full((seqs,), context, dtype=torch.int32), block_tables=tables.int(), max_query_len=1,
         max_seq_len=context, query_lens_cpu=[1] * seqs, seq_lens_cpu=[context] * seqs)
-    q = torch.randn(seqs, H, D, generator=gen).bfloat16()
+    q = q.bfloat16()
     out = {}
     for paged in (False, True):
         plan = torch_ref.plan_step(meta, BS, q.device, paged=paged)
         out[paged] = timed(lambda: [torch_ref.paged_attention_ref(q, cache[:, i], meta, D ** -0.5, plan=plan)
-                                    for i in range(layers)], repeat)
+                                    for i in range(cache.shape[1])], repeat)
     return out[False], out[True]
 
 
@@ -114,16 +120,11 @@ def decode_kernel_of(ref: str):
 
 
 def decode_vs(ref_op, seqs: int, context: int, repeat: int) -> tuple[float, float]:
-    """The kernel of another revision vs this tree's, same inputs as :func:`decode` (all 30 layers), ms."""
-    layers, nb = 30, -(-context // BS)
-    num_blocks = max(seqs * nb + 1, 2048)
-    gen = torch.Generator().manual_seed(seqs)
-    cache = torch.randn(num_blocks, layers, 2, BS, HKV, D, generator=gen).bfloat16()
-    tables = torch.randperm(num_blocks, generator=gen)[:seqs * nb].view(seqs, nb).contiguous()
+    """The kernel of another revision vs this tree's over :func:`decode_inputs`, all 30 layers, ms."""
+    cache, tables, q = decode_inputs(seqs, context)
     lens = torch.full((seqs,), context, dtype=torch.long)
-    q = torch.randn(seqs, H, D, generator=gen)
     ops = (ref_op, torch.ops.pdserve_paged_cpu.decode)
-    return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(layers)], repeat)
+    return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])], repeat)
                  for op in ops)
 
 

@@ -6,11 +6,11 @@ blocks and, for up to 64 rows at a time, accumulates up to four 16 x 16 float32 
 them (plus the bias) to bf16 once, as oneDNN's bf16 GEMM does. Rows are padded to a multiple of 16 and K to 32.
 
 Why: a decode step multiplies a few to a few dozen rows by every weight of the model, so it costs reading the
-weights. oneDNN's packed linear (kernels/packed_linear.py) read them at 11 GB/s at 1-8 rows and 7-8 GB/s at 24-64
-rows on this 2-core host, whose memory reads at ~19 GB/s; a column block per tile stream keeps the reads sequential
-and the products (16 rows of K 32 per instruction) far from the limit. Not bit-equal to oneDNN: float32 sums in
-another order, then one bf16 rounding; tests/kernels/test_amx_linear.py checks it against float64 and the bf16
-engine's agreement with the oneDNN path.
+weights, and oneDNN's packed linear (kernels/packed_linear.py) read them well below this host's memory bandwidth at
+those row counts; a column block per tile stream keeps the reads sequential and the products (16 rows of K 32 per
+instruction) far from the limit. The engine uses it up to :data:`MAX_ROWS` rows, where its output equals oneDNN's bit
+for bit (see :class:`AmxLinear`); the op itself takes any row count (tests/kernels/test_amx_linear.py checks both
+paths against float64 and oneDNN; benchmarks/cpu_kernels.py times it against oneDNN at 1-512 rows).
 
 Built on first use (kernels/cpp_build.py) where the CPU has AMX-BF16 and the OS grants it; elsewhere, on a build
 failure or with ``PDSERVE_CPU_AMX_LINEAR=0``, bf16 linears stay on oneDNN's packed kernel.
@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.kernels import cpp_build
 from pdserve.kernels.cpu_simd import AMX_HELPERS
+from pdserve.kernels.packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +227,6 @@ class AmxLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        from pdserve.kernels.packed_linear import PackedLinear
-
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.pdserve_amx_linear.pack(weight.detach())
         self.onednn = PackedLinear(weight, bias)

@@ -1,7 +1,8 @@
-"""C++ snippets shared by the CPU attention kernels (kernels/paged_decode_cpu.py, kernels/paged_prefill_cpu.py).
+"""C++ snippets shared by the CPU kernels (kernels/paged_decode_cpu.py, kernels/paged_prefill_cpu.py, kernels/fused_cpu.py,
+kernels/amx_linear.py).
 
 ``AVX512_HELPERS`` (inside ``#ifdef PD_AVX512``, after ``<immintrin.h>``): ``load16`` (16 floats or bf16s as floats),
-``exp16`` (e^x for x <= 0, 0 below -87) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
+``exp16`` (e^x for x <= 0, 0 below -87), ``round16`` (16 floats rounded to bf16, kept as floats) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
 ``AMX_HELPERS`` (after ``<sys/syscall.h>`` and ``<unistd.h>``, compiled with ``-mamx-tile -mamx-bf16``): ``Tiles``
 (a thread's AMX tile configuration for a scope, every tile 16 x 64 bytes) and ``amx_permitted`` (asks Linux for AMX).
 """
@@ -28,6 +29,14 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+// x rounded to the nearest bf16 (ties to even), kept as a float: (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000
+inline __m512 round16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
 // Flush-to-zero / denormals-are-zero while a thread runs the kernel: peaked softmaxes leave probabilities whose

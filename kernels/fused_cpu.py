@@ -41,10 +41,6 @@ namespace {
 
 // f32 -> bf16, round to nearest even (as torch's casts)
 inline __m256i bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-// the value of x once rounded to bf16, as a float
-inline __m512 round16(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16(x)), 16));
-}
 inline void store16(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, bf16(x)); }
 
 // silu(g) = g / (1 + e^-g), as torch computes it (a true division: a reciprocal estimate, even refined, changed the

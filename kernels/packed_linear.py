@@ -11,8 +11,9 @@ apart.
 
 Only for 16-bit activations: in float32 oneDNN's kernel sums in another order than MKL's sgemm, and float32 output must
 stay token-for-token equal to transformers. ``pack_linears`` is the one entry point; nothing else needs to know.
-In bf16 on a CPU with AMX it packs for pdserve's own AMX kernel instead (kernels/amx_linear.py: ~1.25-1.4x faster at
-decode's 1-64 rows, as fast from 128 on), unless ``PDSERVE_CPU_AMX_LINEAR=0``.
+In bf16 on a CPU with AMX it packs for pdserve's AMX kernel as well (kernels/amx_linear.py: faster at decode's 1-32
+rows, bit-equal to oneDNN there; more rows stay on oneDNN, so the weights are held twice), unless
+``PDSERVE_CPU_AMX_LINEAR=0``.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _self_check(dtype: torch.dtype, kind: type[nn.Module] = PackedLinear) -> boo
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace every plain ``nn.Linear`` under ``model`` by a :class:`PackedLinear` (or an ``AmxLinear``), and give a model whose LM head is
-    tied to a float embedding (``lm_head is None``) a packed copy of it as ``lm_head``. Returns how many were packed
+    """Replace every plain ``nn.Linear`` under ``model`` by a :class:`PackedLinear` (or an ``AmxLinear``), and give a
+    model whose LM head is tied to a float embedding (``lm_head is None``) a packed copy of it as ``lm_head``. Returns how many were packed
     (0 when :func:`packing_supported` says no, or the self-check fails). Quantized linears are left alone."""
     reason = packing_supported(device, dtype)
     if reason is None and not _self_check(dtype):

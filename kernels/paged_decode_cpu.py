@@ -58,14 +58,6 @@ inline float to_f(uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::me
 
 #ifdef PD_AVX512
 """ + AVX512_HELPERS + r"""
-// round_bf16 on 16 lanes: (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000
-inline __m512 round16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
-}
-
 #else
 struct FlushDenormals {};
 #endif
@@ -260,7 +252,7 @@ void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<
 
 // One whole sequence, every KV head, block by block (many sequences per step): a block's rows hold all heads side by
 // side, so a layer-block's K (then V) is one contiguous span, read once for all heads and prefetched whole, instead of
-// each head's slice of it being fetched from memory on its own (1.3-1.4x faster at 8-64 sequences of 300-800 tokens).
+// each head's slice of it being fetched from memory on its own (README: 1.5-1.9x at 1-64 sequences).
 // Same arithmetic per head as item_fixed.
 template <typename KV, int G, int DV>
 void seq_fixed(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {
@@ -354,7 +346,6 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Ten
   at::Tensor out = at::empty({B, H, D}, q.options());
   const Args a{q.data_ptr<float>(), out.data_ptr<float>(), tp, lp, B, H, Hkv, D, nb, bs,
                kv_layer.stride(0), kv_layer.stride(1), float(scale)};
-  const ItemFn fn = kv_layer.scalar_type() == at::kFloat ? pick<float>(H / Hkv, D) : pick<uint16_t>(H / Hkv, D);
   const void* kv = kv_layer.data_ptr();
   // Enough sequences to keep every thread busy: one item per sequence, its blocks read whole (seq_fixed)
   const SeqFn seq = pick_seq(kv_layer.scalar_type() == at::kBFloat16, H / Hkv, D);
@@ -366,6 +357,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Ten
     });
     return out;
   }
+  const ItemFn fn = kv_layer.scalar_type() == at::kFloat ? pick<float>(H / Hkv, D) : pick<uint16_t>(H / Hkv, D);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     FlushDenormals ftz;
     std::vector<float> sc;

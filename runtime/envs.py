@@ -58,16 +58,21 @@ def allow_runtime_lora_updating() -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _switched_on(name: str) -> bool:
+    """A default-on switch: off for ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def cpu_packed_gemm() -> bool:
     """Whether bf16/fp16 dense linears on CPU run oneDNN's packed kernel (PDSERVE_CPU_PACKED_GEMM, default on; ``0``
     falls back to ``F.linear``, e.g. to compare the two: kernels/packed_linear.py)."""
-    return os.environ.get("PDSERVE_CPU_PACKED_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("PDSERVE_CPU_PACKED_GEMM")
 
 
 def cpu_amx_linear() -> bool:
     """Whether bf16 dense linears on CPUs with AMX run pdserve's AMX kernel rather than oneDNN's packed one
     (PDSERVE_CPU_AMX_LINEAR, default on; ``0`` keeps oneDNN: kernels/amx_linear.py)."""
-    return os.environ.get("PDSERVE_CPU_AMX_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("PDSERVE_CPU_AMX_LINEAR")
 
 
 def cpu_decode_attention() -> str:
@@ -91,7 +96,7 @@ def cpu_prefill_attention() -> str:
 def cpu_fused_elementwise() -> bool:
     """Whether bf16 RMSNorm, RoPE and SiLU * up on CPU run the fused C++ ops (PDSERVE_CPU_FUSED_ELEMENTWISE, default on;
     ``0`` runs the eager torch ops: kernels/fused_cpu.py)."""
-    return os.environ.get("PDSERVE_CPU_FUSED_ELEMENTWISE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("PDSERVE_CPU_FUSED_ELEMENTWISE")
 
 
 def linear_method() -> str | None:
