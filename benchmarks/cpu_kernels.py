@@ -13,6 +13,7 @@
 
     python benchmarks/cpu_kernels.py [--threads 1]
     python benchmarks/cpu_kernels.py --compare-decode <git revision>   # the decode kernel then vs now
+    python benchmarks/cpu_kernels.py --compare-prefill <git revision>  # the prefill kernel then vs now
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from pdserve.kernels.packed_linear import PackedLinear
 from pdserve.runtime.models.llama import RMSNorm, rotate_half
 
 H, HKV, D, BS = 9, 3, 64, 16
+PREFILL_STEPS = {  # name: (new tokens, whole length) of each sequence of one step
+    "1 prompt of 64": ([64], [64]), "1 prompt of 340": ([340], [340]), "1 prompt of 650": ([650], [650]),
+    "1 prompt of 2,048": ([2048], [2048]), "256-token chunk after 394 cached": ([256], [650]),
+    "24 new tokens after 1,000 cached": ([24], [1024]),
+    "8 prompts of 30-650 (one step)": ([30, 90, 170, 250, 330, 410, 490, 650],) * 2}
 
 
 def timed(fn, repeat: int) -> float:
@@ -98,9 +104,9 @@ def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
     return out[False], out[True]
 
 
-def decode_kernel_of(ref: str):
-    """The paged decode kernel of git revision ``ref`` (kernels/paged_decode_cpu.py there), built under its own
-    library name next to this tree's: its ``decode`` op."""
+def kernel_of(ref: str, module: str, library: str, op: str):
+    """The kernel of git revision ``ref`` (``kernels/<module>.py`` there, torch library ``library``), built under its
+    own library name next to this tree's: its ``op``."""
     import subprocess
     import types
     from pathlib import Path
@@ -108,15 +114,16 @@ def decode_kernel_of(ref: str):
     from pdserve.kernels import cpp_build
 
     root = Path(__file__).resolve().parents[1]
-    text = subprocess.run(["git", "show", f"{ref}:kernels/paged_decode_cpu.py"], cwd=root, check=True,
+    text = subprocess.run(["git", "show", f"{ref}:kernels/{module}.py"], cwd=root, check=True,
                           capture_output=True, text=True).stdout
-    module = types.ModuleType("paged_decode_at_ref")
-    exec(compile(text, f"{ref}:kernels/paged_decode_cpu.py", "exec"), module.__dict__)
-    name = "pdserve_paged_cpu_ref"
-    if reason := cpp_build.build(name, module.SOURCE.replace("pdserve_paged_cpu", name), cpp_build.simd_cflags(),
-                                 f"the decode kernel of {ref}"):
+    code = types.ModuleType(f"{module}_at_ref")
+    exec(compile(text, f"{ref}:kernels/{module}.py", "exec"), code.__dict__)
+    name = f"{library}_ref"
+    needs = ("avx512_bf16", "amx_tile", "amx_bf16") if "AMX_HELPERS" in text else ()
+    if reason := cpp_build.build(name, code.SOURCE.replace(library, name), cpp_build.simd_cflags(needs),
+                                 f"{module} of {ref}"):
         raise SystemExit(reason)
-    return getattr(torch.ops, name).decode
+    return getattr(getattr(torch.ops, name), op)
 
 
 def decode_vs(ref_op, seqs: int, context: int, repeat: int) -> tuple[float, float]:
@@ -125,6 +132,22 @@ def decode_vs(ref_op, seqs: int, context: int, repeat: int) -> tuple[float, floa
     lens = torch.full((seqs,), context, dtype=torch.long)
     ops = (ref_op, torch.ops.pdserve_paged_cpu.decode)
     return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])], repeat)
+                 for op in ops)
+
+
+def prefill_vs(ref_op, q_lens: list[int], seq_lens: list[int], repeat: int) -> tuple[float, float]:
+    """The prefill kernel of another revision vs this tree's over an engine-shaped 30-layer cache (as
+    :func:`decode_inputs`), each sequence's last ``q_len`` of its ``seq_len`` tokens new, all 30 layers, ms."""
+    cache, _, _ = decode_inputs(1, 16)
+    nb = -(-max(seq_lens) // BS)
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.randperm(cache.shape[0], generator=gen)[:len(seq_lens) * nb].view(len(seq_lens), nb).contiguous()
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    info = torch.tensor([[s, q, n] for s, q, n in zip(starts, q_lens, seq_lens)], dtype=torch.long)
+    q = torch.randn(sum(q_lens), H, D, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    ops = (ref_op, torch.ops.pdserve_prefill_cpu.prefill)
+    return tuple(timed(lambda: [op(q, out, cache[:, i], tables, info, D ** -0.5) for i in range(cache.shape[1])], repeat)
                  for op in ops)
 
 
@@ -148,6 +171,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--compare-decode", metavar="REF", help="only the decode kernel: git revision REF's vs this tree's")
+    p.add_argument("--compare-prefill", metavar="REF", help="only the prefill kernel: git revision REF's vs this tree's")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,17 +185,21 @@ def main() -> None:
 
         if reason := paged_decode_cpu.load_extension():
             raise SystemExit(reason)
-        ref_op = decode_kernel_of(args.compare_decode)
+        ref_op = kernel_of(args.compare_decode, "paged_decode_cpu", "pdserve_paged_cpu", "decode")
         print(f"{'decode attention, 30 layers, bf16':44s} {args.compare_decode[:9]:>9s} {'this tree':>9s}")
         for seqs, context in ((1, 1000), (2, 600), (8, 800), (32, 400), (64, 300)):
             r, k = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4))
             print(f"  {f'{seqs} sequences of {context} tokens':42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
         return
+    if args.compare_prefill:
+        ref_op = kernel_of(args.compare_prefill, "paged_prefill_cpu", "pdserve_prefill_cpu", "prefill")
+        print(f"{'prefill attention, 30 layers, bf16':44s} {args.compare_prefill[:9]:>9s} {'this tree':>9s}")
+        for name, (q_lens, seq_lens) in PREFILL_STEPS.items():
+            r, k = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))
+            print(f"  {name:42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x")
+        return
     print(f"{'prefill attention, one layer':44s} {'torch ms':>9s} {'kernel ms':>9s} {'speed-up':>8s}")
-    steps = {"1 prompt of 64": ([64], [64]), "1 prompt of 340": ([340], [340]), "1 prompt of 650": ([650], [650]),
-             "1 prompt of 2,048": ([2048], [2048]), "256-token chunk after 394 cached": ([256], [650]),
-             "8 prompts of 30-650 (one step)": ([30, 90, 170, 250, 330, 410, 490, 650],) * 2}
-    for name, (q_lens, seq_lens) in steps.items():
+    for name, (q_lens, seq_lens) in PREFILL_STEPS.items():
         t, k = prefill(q_lens, seq_lens, args.repeat)
         print(f"{name:44s} {t:9.3f} {k:9.3f} {t / k:7.2f}x")
     print(f"{'decode attention, 30 layers, bf16':44s} {'torch ms':>9s} {'kernel ms':>9s}")

@@ -6,10 +6,12 @@ cache ``kv_layer (num_blocks, 2, block_size, Hkv, D)``, query ``i`` sitting at p
 chunk that continues a cached prefix needs no mask tensor and no gathered copy of the context).
 
 How: per (sequence, KV head), K and V are first repacked once into the pair-interleaved layout AMX's ``tdpbf16ps``
-takes (zero-padded to 64 keys). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans
-heads and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the masked float32 softmax on
-AVX-512, P (rounded to bf16, as torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks
-past a tile's last position are skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
+takes (zero-padded to 64 keys; K by 16 x 16-word register transposes, V by interleaving rows in pairs; 64-key chunks
+dealt to the threads). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans heads
+and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the float32 softmax on AVX-512 (the
+16 rows' maxima and sums reduced together through a transpose; masks only at the diagonal), P (rounded to bf16, as
+torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks past a tile's last position are
+skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
 costly late tiles are shared. Each thread puts back the tile configuration it found (oneDNN's GEMMs use AMX too).
 
 Why: torch's CPU SDPA ran these shapes (head_dim 64, GQA, a few hundred tokens) at 30-120 GFLOP/s, and a chunk that
@@ -41,6 +43,7 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -60,25 +63,64 @@ struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, H
 
 inline int64_t chunks(int64_t len) { return (len + 63) / 64; }
 
-// One (sequence, KV head)'s K and V, zero-padded to whole 64-key chunks, as vdpbf16ps pairs them: K as [key tile of
-// 16][dim pair p][key] words (k[2p], k[2p+1]); V as [key pair w][dim] words (v_2w[d], v_2w+1[d]).
+// One 64-key chunk ``c`` of a (sequence, KV head)'s K and V, zero past its length, in the layouts vdpbf16ps pairs:
+// K as [key tile of 16][dim pair p][key] words (k[2p], k[2p+1]), each tile a 16 x 16 word transpose of its keys' rows
+// (twice: pairs 0-15, 16-31); V as [key pair w][dim] words (v_2w[d], v_2w+1[d]), two rows interleaved per pair.
+inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit words, in registers
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int k = 0; k < 16; k += 4) {  // lane L of r[k + j] now: column 4L + j of rows k .. k + 3
+    r[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    const __m512i v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    t[j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    t[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    t[4 + j] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 template <int D>
-void pack(const Args& a, const Seq& s, int64_t kh) {
-  const int64_t keys = chunks(s.len) * 64, row = a.Hkv * D;
-  uint16_t* v16 = (uint16_t*)s.v;
-  for (int64_t t = 0; t < keys; t++) {
-    uint32_t* kt = s.k + (t / 16) * (D / 2) * 16 + t % 16;
-    uint16_t* vt = v16 + (t / 2) * D * 2 + t % 2;
-    if (t >= s.len) {
-      for (int p = 0; p < D / 2; p++) kt[p * 16] = 0;
-      for (int d = 0; d < D; d++) vt[d * 2] = 0;
-      continue;
+void pack(const Args& a, const Seq& s, int64_t kh, int64_t c) {
+  static_assert(D == 64, "rows of two 32-dim halves");
+  const uint16_t* rows[64];  // this chunk's K rows; null past the sequence's length
+  for (int t = 0; t < 64; t++) {
+    const int64_t key = c * 64 + t;
+    rows[t] = key < s.len ? a.kv + s.table[key / a.bs] * a.s_block + (key % a.bs) * a.Hkv * D + kh * D : nullptr;
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int kt = 0; kt < 4; kt++)
+    for (int h = 0; h < 2; h++) {
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) { const uint16_t* k = rows[kt * 16 + t]; r[t] = k ? _mm512_loadu_si512(k + 32 * h) : zero; }
+      transpose16(r);
+      uint32_t* out = s.k + (c * 4 + kt) * (D / 2) * 16 + h * 16 * 16;
+      for (int p = 0; p < 16; p++) _mm512_store_si512(out + p * 16, r[p]);
     }
-    const uint16_t* k = a.kv + s.table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
-    const uint32_t* k32 = (const uint32_t*)k;
-    for (int p = 0; p < D / 2; p++) kt[p * 16] = k32[p];
-    const uint16_t* v = k + a.s_kv;
-    for (int d = 0; d < D; d++) vt[d * 2] = v[d];
+  __m512i lo, hi;  // word 2i of a pair's output: dim i (+16) of its first key, word 2i + 1: of its second
+  {
+    alignas(64) uint16_t il[32], ih[32];
+    for (int i = 0; i < 16; i++) { il[2 * i] = i; il[2 * i + 1] = 32 + i; ih[2 * i] = 16 + i; ih[2 * i + 1] = 48 + i; }
+    lo = _mm512_load_si512(il); hi = _mm512_load_si512(ih);
+  }
+  for (int w = 0; w < 32; w++) {
+    const uint16_t *k0 = rows[2 * w], *k1 = rows[2 * w + 1];
+    uint32_t* out = s.v + (c * 32 + w) * D;
+    for (int h = 0; h < 2; h++) {
+      const __m512i x = k0 ? _mm512_loadu_si512(k0 + a.s_kv + 32 * h) : zero;
+      const __m512i y = k1 ? _mm512_loadu_si512(k1 + a.s_kv + 32 * h) : zero;
+      _mm512_store_si512(out + 32 * h, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(out + 32 * h + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
   }
 }
 
@@ -97,15 +139,16 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
   constexpr int D = 64;
   const int64_t nf = s.q_len * a.G;
   int64_t pos[16];
-  float m[16], l[16], alpha[16];
+  alignas(64) float m[16], alpha[16];  // per row: the running max of the scaled scores, this chunk's rescale
+  __m512 vm = _mm512_set1_ps(-INFINITY), vl = _mm512_setzero_ps();  // lane r: row r's running max and sum
   for (int r = 0; r < 16; r++) {
     const int64_t f = std::min(f0 + r, nf - 1), i = f / a.G, g = f % a.G;
     std::memcpy(w.q[r], a.q + ((s.q0 + i) * a.H + kh * a.G + g) * D, D * 2);
-    pos[r] = s.len - s.q_len + i;
-    m[r] = -INFINITY; l[r] = 0.f;
+    pos[r] = s.len - s.q_len + i;  // non-decreasing in r
     for (int j = 0; j < D / 16; j++) _mm512_store_ps(w.o[r] + 16 * j, _mm512_setzero_ps());
   }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 scale = _mm512_set1_ps(a.scale);
   const int64_t nc = pos[15] / 64 + 1;
   for (int64_t c = 0; c < nc; c++) {
     const uint32_t* kc = s.k + c * 64 * (D / 2);   // key tile j, dims 32h..: kc + (j * 32 + 16 * h) * 16 words
@@ -118,26 +161,43 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
 #undef PD_QK
     _tile_stored(2, w.sc[0], 256); _tile_stored(3, w.sc[0] + 16, 256);
     _tile_stored(4, w.sc[0] + 32, 256); _tile_stored(5, w.sc[0] + 48, 256);
+    // The online softmax, its row reductions done 16 rows at a time (a transpose, then lane-wise max / sum). Keys past
+    // a row's position score -inf (only the chunks at the diagonal have any). Scores are scaled inside the exp.
+    const bool full = c * 64 + 63 <= pos[0];
+    __m512i red[16];
     for (int r = 0; r < 16; r++) {
-      __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < 4; j++) {
-        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
-        const __mmask16 live = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r])));
-        x[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(w.sc[r] + 16 * j), _mm512_set1_ps(a.scale));
-        mx = _mm512_max_ps(mx, x[j]);
+        __m512 x = _mm512_load_ps(w.sc[r] + 16 * j);
+        if (!full) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
+          x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r]))), x);
+          _mm512_store_ps(w.sc[r] + 16 * j, x);
+        }
+        mx = _mm512_max_ps(mx, x);
       }
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
-      alpha[r] = std::exp(m[r] - m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < 4; j++) {
-        x[j] = exp16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
-        sum = _mm512_add_ps(sum, x[j]);
-      }
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-      m[r] = m_new;
+      red[r] = _mm512_castps_si512(mx);
+    }
+    transpose16(red);
+    __m512 cm = _mm512_castsi512_ps(red[0]);
+    for (int j = 1; j < 16; j++) cm = _mm512_max_ps(cm, _mm512_castsi512_ps(red[j]));
+    const __m512 m_new = _mm512_max_ps(vm, _mm512_mul_ps(cm, scale));  // scale > 0: the max of the scaled scores
+    const __m512 al = exp16(_mm512_sub_ps(vm, m_new));                // vm = -inf on the first chunk: 0
+    _mm512_store_ps(m, m_new);
+    _mm512_store_ps(alpha, al);
+    vm = m_new;
+    for (int r = 0; r < 16; r++) {
+      const __m512 mr = _mm512_set1_ps(m[r]);
+      __m512 x[4];
+      for (int j = 0; j < 4; j++) x[j] = exp16(_mm512_fmsub_ps(_mm512_load_ps(w.sc[r] + 16 * j), scale, mr));
+      red[r] = _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3])));
       _mm512_store_si512(w.p[r], (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
       _mm512_store_si512(w.p[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
     }
+    transpose16(red);
+    __m512 cl = _mm512_castsi512_ps(red[0]);
+    for (int j = 1; j < 16; j++) cl = _mm512_add_ps(cl, _mm512_castsi512_ps(red[j]));
+    vl = _mm512_fmadd_ps(vl, al, cl);
     const uint32_t* vc = s.v + c * 32 * D;   // key pairs 16h.., dims 16j..: vc + 16 * h * D + 16 * j words
     _tile_loadd(0, w.p[0], 128);
     _tile_loadd(1, w.p[0] + 16, 128);
@@ -154,10 +214,12 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
         _mm512_store_ps(w.o[r] + 16 * j, _mm512_fmadd_ps(_mm512_load_ps(w.o[r] + 16 * j), al, _mm512_load_ps(w.sc[r] + 16 * j)));
     }
   }
+  alignas(64) float inv_l[16];
+  _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), vl));
   for (int r = 0; r < 16 && f0 + r < nf; r++) {
     const int64_t i = (f0 + r) / a.G, g = (f0 + r) % a.G;
     uint16_t* out = a.out + ((s.q0 + i) * a.H + kh * a.G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
     for (int j = 0; j < 4; j++)
       _mm256_storeu_si256((__m256i*)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(w.o[r] + 16 * j), inv)));
   }
@@ -173,7 +235,8 @@ void run(const Args& a, std::vector<Seq>& seqs) {
     }
   int64_t words = 0;
   for (const Seq& s : seqs) words += chunks(s.len) * 64 * D * a.Hkv;  // K and V: len * D / 2 words each
-  std::unique_ptr<uint32_t[]> buf(new uint32_t[words]);
+  std::unique_ptr<uint32_t, decltype(&std::free)> buf((uint32_t*)std::aligned_alloc(64, words * 4), &std::free);  // whole lines
+  TORCH_CHECK(buf, "out of memory for the packed K/V");
   std::vector<Seq> per(packs.size());
   int64_t off = 0;
   for (size_t i = 0; i < packs.size(); i++) {
@@ -181,10 +244,16 @@ void run(const Args& a, std::vector<Seq>& seqs) {
     const int64_t n = chunks(per[i].len) * 32 * D;
     per[i].k = buf.get() + off; per[i].v = buf.get() + off + n; off += 2 * n;
   }
+  std::vector<std::pair<int64_t, int64_t>> chunk_items;  // (pack, 64-key chunk)
+  for (size_t i = 0; i < per.size(); i++)
+    for (int64_t c = 0; c < chunks(per[i].len); c++) chunk_items.emplace_back(i, c);
   const int64_t nt = at::get_num_threads();
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {  // round-robin: neighbours cost alike
     for (int64_t t = t0; t < t1; t++)
-      for (size_t i = t; i < per.size(); i += nt) pack<D>(a, per[i], packs[i].second);
+      for (size_t i = t; i < chunk_items.size(); i += nt) {
+        const auto [p, c] = chunk_items[i];
+        pack<D>(a, per[p], packs[p].second, c);
+      }
   });
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     FlushDenormals ftz;
