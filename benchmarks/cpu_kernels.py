@@ -126,10 +126,12 @@ def kernel_of(ref: str, module: str, library: str, op: str):
     return getattr(getattr(torch.ops, name), op)
 
 
-def decode_vs(ref_op, seqs: int, context: int, repeat: int) -> tuple[float, float]:
-    """The kernel of another revision vs this tree's over :func:`decode_inputs`, all 30 layers, ms."""
+def decode_vs(ref_op, seqs: int, context: int, repeat: int, mixed: bool = False) -> tuple[float, float]:
+    """The kernel of another revision vs this tree's over :func:`decode_inputs`, all 30 layers, ms; ``mixed``: the
+    sequences' lengths drawn from 30 to ``context`` (seeded), as in a serving step."""
     cache, tables, q = decode_inputs(seqs, context)
-    lens = torch.full((seqs,), context, dtype=torch.long)
+    lens = (torch.randint(30, context + 1, (seqs,), generator=torch.Generator().manual_seed(seqs)) if mixed
+            else torch.full((seqs,), context, dtype=torch.long))
     ops = (ref_op, torch.ops.pdserve_paged_cpu.decode)
     return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])], repeat)
                  for op in ops)
@@ -187,9 +189,11 @@ def main() -> None:
             raise SystemExit(reason)
         ref_op = kernel_of(args.compare_decode, "paged_decode_cpu", "pdserve_paged_cpu", "decode")
         print(f"{'decode attention, 30 layers, bf16':44s} {args.compare_decode[:9]:>9s} {'this tree':>9s}")
-        for seqs, context in ((1, 1000), (2, 600), (8, 800), (32, 400), (64, 300)):
-            r, k = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4))
-            print(f"  {f'{seqs} sequences of {context} tokens':42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
+        for seqs, context, mixed in ((1, 1000, False), (2, 600, False), (8, 800, False), (32, 400, False),
+                                     (64, 300, False), (8, 850, True), (32, 850, True)):
+            r, k = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4), mixed)
+            name = f"{seqs} sequences of {'30-' if mixed else ''}{context} tokens"
+            print(f"  {name:42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
         return
     if args.compare_prefill:
         ref_op = kernel_of(args.compare_prefill, "paged_prefill_cpu", "pdserve_prefill_cpu", "prefill")

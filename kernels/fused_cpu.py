@@ -1,4 +1,5 @@
-"""Fused bf16 elementwise ops on CPU: RMSNorm (optionally after a residual add), RoPE on q and k, SiLU(gate) * up.
+"""Fused bf16 elementwise ops on CPU: RMSNorm (optionally after a residual add), RoPE on q and k, SiLU(gate) * up;
+and the greedy sampler's row argmax over float32 logits (torch.argmax's answer, ~10x faster than torch's here).
 
 Each replaces a chain of eager torch ops that reads and writes the whole activation once per op (RMSNorm: float copy,
 square, mean, scale, cast, weight: six passes; RoPE: four products and sums plus the ``rotate_half`` copy) with one
@@ -168,6 +169,44 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 #endif
   return out;
 }
+
+// x (N, V) float32 rows -> (N,) int64, torch.argmax's answer: the first maximum, or the first NaN of a row with one.
+// One vector pass for the max (and any NaN), then a scan to its first position; rows spread over the threads.
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(available(), "fused CPU ops need AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0 && x.stride(1) == 1,
+              "x: float32 (N, V) with unit-stride rows, V >= 1");
+  const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({N}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+#ifdef PD_AVX512
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* row = xp + r * xs;
+      __m512 m = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 k = V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, row + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, v);
+      }
+      int64_t i = 0;
+      if (nan) {
+        while (!std::isnan(row[i])) i++;
+      } else {
+        const float best = _mm512_reduce_max_ps(m);
+        const __m512 b = _mm512_set1_ps(best);
+        while (i + 16 <= V && !_mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), b, _CMP_EQ_OQ)) i += 16;
+        while (row[i] != best) i++;
+      }
+      op[r] = i;
+    }
+  });
+#endif
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(pdserve_fused_cpu, m) {
@@ -175,9 +214,11 @@ TORCH_LIBRARY(pdserve_fused_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? res, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor qk, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("argmax", c10::DispatchKey::CPU, TORCH_FN(argmax));
 }
 """
 
@@ -198,3 +239,12 @@ def enabled(x: torch.Tensor, multiple: int = 16) -> bool:
 
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % multiple == 0
             and envs.cpu_fused_elementwise() and load_extension() is None)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of float32 (N, V) rows on CPU, by the op above where it is built (torch's CPU argmax
+    reads 32 x 49,152 logits at ~2.5 ms, its max at ~0.2: the greedy sampler's whole cost); torch's elsewhere."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 \
+            and load_extension() is None:
+        return torch.ops.pdserve_fused_cpu.argmax(x)
+    return x.argmax(dim=-1)

@@ -324,7 +324,9 @@ ItemFn pick(int64_t G, int64_t D) {
 
 at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& tables, const at::Tensor& lens,
                   double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 (B, H, D)");
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q: float32 or bf16 (B, H, D)");
+  const at::Tensor qf = q.to(at::kFloat).contiguous();  // the sums are float32 either way; no copy for float32
   TORCH_CHECK(kv_layer.dim() == 5, "kv_layer: (num_blocks, 2, block_size, Hkv, D)");
   TORCH_CHECK(kv_layer.scalar_type() == at::kFloat || kv_layer.scalar_type() == at::kBFloat16, "kv: float32 or bf16");
   const int64_t bs = kv_layer.size(2), Hkv = kv_layer.size(3), D = kv_layer.size(4), B = q.size(0), H = q.size(1);
@@ -343,8 +345,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Ten
     for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; i++)
       TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < num_blocks, "tables: block id out of range");
   }
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  const Args a{q.data_ptr<float>(), out.data_ptr<float>(), tp, lp, B, H, Hkv, D, nb, bs,
+  at::Tensor out = at::empty({B, H, D}, qf.options());
+  const Args a{qf.data_ptr<float>(), out.data_ptr<float>(), tp, lp, B, H, Hkv, D, nb, bs,
                kv_layer.stride(0), kv_layer.stride(1), float(scale)};
   const void* kv = kv_layer.data_ptr();
   // Enough sequences to keep every thread busy: one item per sequence, its blocks read whole (seq_fixed)
@@ -355,7 +357,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Ten
       std::vector<float> sc;
       for (int64_t i = i0; i < i1; i++) seq(a, kv, i, sc);
     });
-    return out;
+    return out.to(q.scalar_type());
   }
   const ItemFn fn = kv_layer.scalar_type() == at::kFloat ? pick<float>(H / Hkv, D) : pick<uint16_t>(H / Hkv, D);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -363,7 +365,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_layer, const at::Ten
     std::vector<float> sc;
     for (int64_t i = i0; i < i1; i++) fn(a, kv, i / Hkv, i % Hkv, sc);
   });
-  return out;
+  return out.to(q.scalar_type());
 }
 }  // namespace
 
@@ -397,5 +399,4 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, 
     dtype. ``tables`` (B, nb) and ``lens`` (B,) int64 and contiguous."""
     if reason := load_extension():
         raise RuntimeError(reason)
-    out = torch.ops.pdserve_paged_cpu.decode(q.float().contiguous(), kv_layer, tables, lens, scale)
-    return out.to(q.dtype)
+    return torch.ops.pdserve_paged_cpu.decode(q, kv_layer, tables, lens, scale)   # converts q and out in C++

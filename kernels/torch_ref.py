@@ -95,7 +95,8 @@ class StepPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len) of sequences with > 1 new token
     kv_rows: torch.Tensor | None = None        # (2T,) cache rows of the new tokens' K then V (base.kv_write_rows)
-    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # all decodes' (rows, tables, lens): the kernel
+    paged: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None  # all decodes' (rows, tables, lens):
+    # the kernel; rows None when every row of the step is a decode, in order (no row gather or scatter)
     paged_prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # all prefills' (tables, (row, q_len, seq_len)) rows
     masks: dict[int, torch.Tensor] | None = field(default_factory=dict)  # seq -> its chunk's causal mask, built once
 
@@ -125,8 +126,10 @@ def _plan_decodes(meta: AttentionMetadata, block_size: int, device: torch.device
             return StepPlan([], prefills)
         nb = -(-max(meta.seq_lens_cpu[s] for s in seqs) // block_size)
         idx = torch.tensor(seqs, device=device)
+        every = len(seqs) == len(meta.query_lens_cpu)   # then starts[s] == s: the rows are q's, in order
         return StepPlan([], prefills, paged=(
-            torch.tensor([starts[s] for s in seqs], device=device), meta.block_tables[idx, :nb].long().contiguous(),
+            None if every else torch.tensor([starts[s] for s in seqs], device=device),
+            meta.block_tables[idx, :nb].long().contiguous(),
             torch.tensor([meta.seq_lens_cpu[s] for s in seqs], device=device, dtype=torch.long)))
     decodes = sorted((meta.seq_lens_cpu[s], s) for s, n in enumerate(meta.query_lens_cpu) if n == 1)[::-1]
     groups: list[list[tuple[int, int]]] = []
@@ -185,6 +188,8 @@ def paged_attention_ref(
     """
     group = q.shape[1] // kv_layer.shape[3]
     plan = plan or plan_step(meta, kv_layer.shape[2], q.device)
+    if plan.paged is not None and plan.paged[0] is None:   # a decode-only step
+        return paged_decode(q, kv_layer, plan.paged[1], plan.paged[2], scale)
     out = torch.empty_like(q)
     if plan.paged_prefill is not None:
         paged_prefill_cpu.paged_prefill(q.contiguous(), out, kv_layer, *plan.paged_prefill, scale)

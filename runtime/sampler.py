@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels import fused_cpu
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sched_output import SampledToken
 
@@ -62,7 +63,7 @@ class Sampler:
                 logits[i, meta.banned_token_ids[i]] = float("-inf")
 
         greedy = [p.greedy for p in params]
-        token_ids = logits.argmax(dim=-1)
+        token_ids = fused_cpu.argmax(logits)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             sub = logits[rows] / torch.tensor([params[i].temperature for i in rows],
@@ -73,7 +74,7 @@ class Sampler:
             for j, i in enumerate(rows):
                 g = meta.generators[i]
                 q[j].exponential_(generator=g if g is not None else self.generator)
-            token_ids[rows] = (probs / q).argmax(dim=-1)
+            token_ids[rows] = fused_cpu.argmax(probs / q)
 
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]

@@ -72,6 +72,29 @@ def test_silu_mul_within_one_rounding():
 
 
 @needs_ops
+def test_argmax_is_torchs_answer():
+    """Random rows, rows of ties (the first maximum wins), -inf rows (masked out: index 0), NaNs (the first NaN wins, as
+    torch's argmax propagates them), widths that are not a multiple of 16, a strided row view, one row."""
+    gen = torch.Generator().manual_seed(0)
+    for n, v in ((32, 49152), (5, 17), (3, 1), (1, 1000), (7, 33)):
+        x = torch.randn(n, v, generator=gen)
+        x[0] = float("-inf")
+        if n > 1:
+            x[1] = x[1].round()                    # many equal values: ties for the maximum
+        if n > 2:
+            x[2, v // 2:] = float("nan")
+        if n > 3:
+            x[3] = 7.0
+            x[3, v - 1] = 8.0
+        got = torch.ops.pdserve_fused_cpu.argmax(x)
+        assert torch.equal(got, x.argmax(dim=-1)), (n, v)
+        assert torch.equal(fused_cpu.argmax(x[:, : max(1, v // 2)]), x[:, : max(1, v // 2)].argmax(dim=-1))
+    assert torch.equal(fused_cpu.argmax(x.double()), x.double().argmax(dim=-1))   # other dtypes: torch's
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pdserve_fused_cpu.argmax(torch.zeros(2, 0))
+
+
+@needs_ops
 def test_bad_shapes_are_errors():
     ops = torch.ops.pdserve_fused_cpu
     with pytest.raises(RuntimeError, match="bf16"):

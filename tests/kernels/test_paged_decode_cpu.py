@@ -85,6 +85,19 @@ def test_whole_sequence_items_equal_per_head_items(heads, kv_heads, head_dim):
 
 
 @needs_kernel
+def test_bf16_queries_are_converted_inside_the_op():
+    """The engine hands the op its bf16 q as a strided view of the RoPE output (no Python-side copies): the op
+    converts it to float32 and its output back to bf16 itself, the same values as converting outside."""
+    q, kv, tables, lens = _case(torch.bfloat16, 9, 3, 64, [1, 17, 100, 250, 33], seed=5)
+    qk = torch.cat([q, q[:, :3]], dim=1)          # (B, H + Hkv, D), as the model's RoPE'd q/k
+    view = qk[:, :9]
+    assert not view.is_contiguous()
+    out = torch.ops.pdserve_paged_cpu.decode(view, kv, tables, lens, 0.125)
+    want = torch.ops.pdserve_paged_cpu.decode(q.float(), kv, tables, lens, 0.125).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+
+
+@needs_kernel
 def test_peaked_scores_and_long_context():
     """A softmax dominated by one key (logit gaps far past float32's exp range) over a 1,000-token context."""
     q, kv, tables, lens = _case(torch.float32, 9, 3, 64, [1000, 37])
