@@ -8,10 +8,9 @@ chunk that continues a cached prefix needs no mask tensor and no gathered copy o
 How: per (sequence, KV head), K and V are first repacked once into the pair-interleaved layout AMX's ``tdpbf16ps``
 takes (zero-padded to 64 keys; K by 16 x 16-word register transposes, V by interleaving rows in pairs; 64-key chunks
 dealt to the threads). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans heads
-and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the float32 softmax on AVX-512 (the
-16 rows' maxima and sums reduced together through a transpose; masks only at the diagonal), P (rounded to bf16, as
-torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks past a tile's last position are
-skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
+and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the masked float32 softmax on
+AVX-512, P (rounded to bf16, as torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks
+past a tile's last position are skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
 costly late tiles are shared. Each thread puts back the tile configuration it found (oneDNN's GEMMs use AMX too).
 
 Why: torch's CPU SDPA ran these shapes (head_dim 64, GQA, a few hundred tokens) at 30-120 GFLOP/s, and a chunk that
@@ -139,16 +138,15 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
   constexpr int D = 64;
   const int64_t nf = s.q_len * a.G;
   int64_t pos[16];
-  alignas(64) float m[16], alpha[16];  // per row: the running max of the scaled scores, this chunk's rescale
-  __m512 vm = _mm512_set1_ps(-INFINITY), vl = _mm512_setzero_ps();  // lane r: row r's running max and sum
+  float m[16], l[16], alpha[16];
   for (int r = 0; r < 16; r++) {
     const int64_t f = std::min(f0 + r, nf - 1), i = f / a.G, g = f % a.G;
     std::memcpy(w.q[r], a.q + ((s.q0 + i) * a.H + kh * a.G + g) * D, D * 2);
-    pos[r] = s.len - s.q_len + i;  // non-decreasing in r
+    pos[r] = s.len - s.q_len + i;
+    m[r] = -INFINITY; l[r] = 0.f;
     for (int j = 0; j < D / 16; j++) _mm512_store_ps(w.o[r] + 16 * j, _mm512_setzero_ps());
   }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 scale = _mm512_set1_ps(a.scale);
   const int64_t nc = pos[15] / 64 + 1;
   for (int64_t c = 0; c < nc; c++) {
     const uint32_t* kc = s.k + c * 64 * (D / 2);   // key tile j, dims 32h..: kc + (j * 32 + 16 * h) * 16 words
@@ -161,43 +159,26 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
 #undef PD_QK
     _tile_stored(2, w.sc[0], 256); _tile_stored(3, w.sc[0] + 16, 256);
     _tile_stored(4, w.sc[0] + 32, 256); _tile_stored(5, w.sc[0] + 48, 256);
-    // The online softmax, its row reductions done 16 rows at a time (a transpose, then lane-wise max / sum). Keys past
-    // a row's position score -inf (only the chunks at the diagonal have any). Scores are scaled inside the exp.
-    const bool full = c * 64 + 63 <= pos[0];
-    __m512i red[16];
     for (int r = 0; r < 16; r++) {
-      __m512 mx = _mm512_set1_ps(-INFINITY);
+      __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < 4; j++) {
-        __m512 x = _mm512_load_ps(w.sc[r] + 16 * j);
-        if (!full) {
-          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
-          x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r]))), x);
-          _mm512_store_ps(w.sc[r] + 16 * j, x);
-        }
-        mx = _mm512_max_ps(mx, x);
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
+        const __mmask16 live = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r])));
+        x[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(w.sc[r] + 16 * j), _mm512_set1_ps(a.scale));
+        mx = _mm512_max_ps(mx, x[j]);
       }
-      red[r] = _mm512_castps_si512(mx);
-    }
-    transpose16(red);
-    __m512 cm = _mm512_castsi512_ps(red[0]);
-    for (int j = 1; j < 16; j++) cm = _mm512_max_ps(cm, _mm512_castsi512_ps(red[j]));
-    const __m512 m_new = _mm512_max_ps(vm, _mm512_mul_ps(cm, scale));  // scale > 0: the max of the scaled scores
-    const __m512 al = exp16(_mm512_sub_ps(vm, m_new));                // vm = -inf on the first chunk: 0
-    _mm512_store_ps(m, m_new);
-    _mm512_store_ps(alpha, al);
-    vm = m_new;
-    for (int r = 0; r < 16; r++) {
-      const __m512 mr = _mm512_set1_ps(m[r]);
-      __m512 x[4];
-      for (int j = 0; j < 4; j++) x[j] = exp16(_mm512_fmsub_ps(_mm512_load_ps(w.sc[r] + 16 * j), scale, mr));
-      red[r] = _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3])));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      alpha[r] = std::exp(m[r] - m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 4; j++) {
+        x[j] = exp16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
+        sum = _mm512_add_ps(sum, x[j]);
+      }
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
       _mm512_store_si512(w.p[r], (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
       _mm512_store_si512(w.p[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
     }
-    transpose16(red);
-    __m512 cl = _mm512_castsi512_ps(red[0]);
-    for (int j = 1; j < 16; j++) cl = _mm512_add_ps(cl, _mm512_castsi512_ps(red[j]));
-    vl = _mm512_fmadd_ps(vl, al, cl);
     const uint32_t* vc = s.v + c * 32 * D;   // key pairs 16h.., dims 16j..: vc + 16 * h * D + 16 * j words
     _tile_loadd(0, w.p[0], 128);
     _tile_loadd(1, w.p[0] + 16, 128);
@@ -214,12 +195,10 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
         _mm512_store_ps(w.o[r] + 16 * j, _mm512_fmadd_ps(_mm512_load_ps(w.o[r] + 16 * j), al, _mm512_load_ps(w.sc[r] + 16 * j)));
     }
   }
-  alignas(64) float inv_l[16];
-  _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), vl));
   for (int r = 0; r < 16 && f0 + r < nf; r++) {
     const int64_t i = (f0 + r) / a.G, g = (f0 + r) % a.G;
     uint16_t* out = a.out + ((s.q0 + i) * a.H + kh * a.G + g) * D;
-    const __m512 inv = _mm512_set1_ps(inv_l[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
     for (int j = 0; j < 4; j++)
       _mm256_storeu_si256((__m256i*)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(w.o[r] + 16 * j), inv)));
   }
