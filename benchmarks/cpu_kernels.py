@@ -104,9 +104,9 @@ def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
     return out[False], out[True]
 
 
-def kernel_of(ref: str, module: str, library: str, op: str):
-    """The kernel of git revision ``ref`` (``kernels/<module>.py`` there, torch library ``library``), built under its
-    own library name next to this tree's: its ``op``."""
+def kernel_of(ref: str, module: str, library: str, op: str, needs: tuple[str, ...] = ()):
+    """The kernel of git revision ``ref`` (``kernels/<module>.py`` there, torch library ``library``, compiled with the
+    CPU flags ``needs``), built under its own library name next to this tree's: its ``op``."""
     import subprocess
     import types
     from pathlib import Path
@@ -119,7 +119,6 @@ def kernel_of(ref: str, module: str, library: str, op: str):
     code = types.ModuleType(f"{module}_at_ref")
     exec(compile(text, f"{ref}:kernels/{module}.py", "exec"), code.__dict__)
     name = f"{library}_ref"
-    needs = ("avx512_bf16", "amx_tile", "amx_bf16") if "AMX_HELPERS" in text else ()
     if reason := cpp_build.build(name, code.SOURCE.replace(library, name), cpp_build.simd_cflags(needs),
                                  f"{module} of {ref}"):
         raise SystemExit(reason)
@@ -196,7 +195,8 @@ def main() -> None:
             print(f"  {name:42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
         return
     if args.compare_prefill:
-        ref_op = kernel_of(args.compare_prefill, "paged_prefill_cpu", "pdserve_prefill_cpu", "prefill")
+        ref_op = kernel_of(args.compare_prefill, "paged_prefill_cpu", "pdserve_prefill_cpu", "prefill",
+                           paged_prefill_cpu.NEEDS)
         print(f"{'prefill attention, 30 layers, bf16':44s} {args.compare_prefill[:9]:>9s} {'this tree':>9s}")
         for name, (q_lens, seq_lens) in PREFILL_STEPS.items():
             r, k = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))

@@ -34,6 +34,7 @@ from pdserve.kernels import cpp_build
 from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
 
 log = logging.getLogger(__name__)
+NEEDS = ("avx512_bf16", "amx_tile", "amx_bf16")   # the CPU flags it is built with (and needs)
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -62,9 +63,6 @@ struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, H
 
 inline int64_t chunks(int64_t len) { return (len + 63) / 64; }
 
-// One 64-key chunk ``c`` of a (sequence, KV head)'s K and V, zero past its length, in the layouts vdpbf16ps pairs:
-// K as [key tile of 16][dim pair p][key] words (k[2p], k[2p+1]), each tile a 16 x 16 word transpose of its keys' rows
-// (twice: pairs 0-15, 16-31); V as [key pair w][dim] words (v_2w[d], v_2w+1[d]), two rows interleaved per pair.
 inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit words, in registers
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
@@ -88,6 +86,9 @@ inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit words, in registers
   for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+// One 64-key chunk ``c`` of a (sequence, KV head)'s K and V, zero past its length, in the layouts vdpbf16ps pairs:
+// K as [key tile of 16][dim pair p][key] words (k[2p], k[2p+1]), each tile a 16 x 16 word transpose of its keys' rows
+// (twice: pairs 0-15, 16-31); V as [key pair w][dim] words (v_2w[d], v_2w+1[d]), two rows interleaved per pair.
 template <int D>
 void pack(const Args& a, const Seq& s, int64_t kh, int64_t c) {
   static_assert(D == 64, "rows of two 32-dim halves");
@@ -299,8 +300,7 @@ TORCH_LIBRARY(pdserve_prefill_cpu, m) {
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the kernel; None when it works here, else why it cannot be used."""
-    reason = cpp_build.build_for("pdserve_prefill_cpu", SOURCE, ("avx512_bf16", "amx_tile", "amx_bf16"),
-                                 "the paged prefill attention kernel")
+    reason = cpp_build.build_for("pdserve_prefill_cpu", SOURCE, NEEDS, "the paged prefill attention kernel")
     if reason:
         log.warning("%s; CPU prefill attention uses torch's SDPA", reason)
     return reason
