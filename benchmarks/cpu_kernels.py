@@ -125,20 +125,24 @@ def kernel_of(ref: str, module: str, library: str, op: str, needs: tuple[str, ..
     return getattr(getattr(torch.ops, name), op)
 
 
-def decode_vs(ref_op, seqs: int, context: int, repeat: int, mixed: bool = False) -> tuple[float, float]:
-    """The kernel of another revision vs this tree's over :func:`decode_inputs`, all 30 layers, ms; ``mixed``: the
-    sequences' lengths drawn from 30 to ``context`` (seeded), as in a serving step."""
+def decode_vs(ref_op, seqs: int, context: int, repeat: int, mixed: bool = False) -> tuple[float, float, bool]:
+    """The kernel of another revision vs this tree's over :func:`decode_inputs`, all 30 layers: ms each, and whether
+    their outputs are the same bits in every layer; ``mixed``: the sequences' lengths drawn from 30 to ``context``
+    (seeded), as in a serving step."""
     cache, tables, q = decode_inputs(seqs, context)
     lens = (torch.randint(30, context + 1, (seqs,), generator=torch.Generator().manual_seed(seqs)) if mixed
             else torch.full((seqs,), context, dtype=torch.long))
     ops = (ref_op, torch.ops.pdserve_paged_cpu.decode)
-    return tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])], repeat)
-                 for op in ops)
+    times = tuple(timed(lambda: [op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])], repeat)
+                  for op in ops)
+    outs = [torch.stack([op(q, cache[:, i], tables, lens, D ** -0.5) for i in range(cache.shape[1])]) for op in ops]
+    return *times, torch.equal(*outs)
 
 
-def prefill_vs(ref_op, q_lens: list[int], seq_lens: list[int], repeat: int) -> tuple[float, float]:
+def prefill_vs(ref_op, q_lens: list[int], seq_lens: list[int], repeat: int) -> tuple[float, float, bool]:
     """The prefill kernel of another revision vs this tree's over an engine-shaped 30-layer cache (as
-    :func:`decode_inputs`), each sequence's last ``q_len`` of its ``seq_len`` tokens new, all 30 layers, ms."""
+    :func:`decode_inputs`), each sequence's last ``q_len`` of its ``seq_len`` tokens new, all 30 layers: ms each, and
+    whether their outputs are the same bits in every layer."""
     cache, _, _ = decode_inputs(1, 16)
     nb = -(-max(seq_lens) // BS)
     gen = torch.Generator().manual_seed(1)
@@ -146,10 +150,11 @@ def prefill_vs(ref_op, q_lens: list[int], seq_lens: list[int], repeat: int) -> t
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
     info = torch.tensor([[s, q, n] for s, q, n in zip(starts, q_lens, seq_lens)], dtype=torch.long)
     q = torch.randn(sum(q_lens), H, D, generator=gen).bfloat16()
-    out = torch.empty_like(q)
+    outs = [torch.empty(cache.shape[1], *q.shape, dtype=q.dtype) for _ in range(2)]
     ops = (ref_op, torch.ops.pdserve_prefill_cpu.prefill)
-    return tuple(timed(lambda: [op(q, out, cache[:, i], tables, info, D ** -0.5) for i in range(cache.shape[1])], repeat)
-                 for op in ops)
+    times = tuple(timed(lambda: [op(q, out[i], cache[:, i], tables, info, D ** -0.5) for i in range(cache.shape[1])],
+                        repeat) for op, out in zip(ops, outs))
+    return *times, torch.equal(*outs)
 
 
 def linears(rows: int, repeat: int) -> tuple[float, float, int]:
@@ -190,17 +195,17 @@ def main() -> None:
         print(f"{'decode attention, 30 layers, bf16':44s} {args.compare_decode[:9]:>9s} {'this tree':>9s}")
         for seqs, context, mixed in ((1, 1000, False), (2, 600, False), (8, 800, False), (32, 400, False),
                                      (64, 300, False), (8, 850, True), (32, 850, True)):
-            r, k = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4), mixed)
+            r, k, same = decode_vs(ref_op, seqs, context, max(3, args.repeat // 4), mixed)
             name = f"{seqs} sequences of {'30-' if mixed else ''}{context} tokens"
-            print(f"  {name:42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x")
+            print(f"  {name:42s} {r:9.1f} {k:9.1f} {r / k:7.2f}x  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
         return
     if args.compare_prefill:
         ref_op = kernel_of(args.compare_prefill, "paged_prefill_cpu", "pdserve_prefill_cpu", "prefill",
                            paged_prefill_cpu.NEEDS)
         print(f"{'prefill attention, 30 layers, bf16':44s} {args.compare_prefill[:9]:>9s} {'this tree':>9s}")
         for name, (q_lens, seq_lens) in PREFILL_STEPS.items():
-            r, k = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))
-            print(f"  {name:42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x")
+            r, k, same = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))
+            print(f"  {name:42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
         return
     print(f"{'prefill attention, one layer':44s} {'torch ms':>9s} {'kernel ms':>9s} {'speed-up':>8s}")
     for name, (q_lens, seq_lens) in PREFILL_STEPS.items():

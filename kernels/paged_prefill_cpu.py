@@ -8,9 +8,10 @@ chunk that continues a cached prefix needs no mask tensor and no gathered copy o
 How: per (sequence, KV head), K and V are first repacked once into the pair-interleaved layout AMX's ``tdpbf16ps``
 takes (zero-padded to 64 keys; K by 16 x 16-word register transposes, V by interleaving rows in pairs; 64-key chunks
 dealt to the threads). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans heads
-and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the masked float32 softmax on
-AVX-512, P (rounded to bf16, as torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks
-past a tile's last position are skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
+and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the float32 softmax on AVX-512 (the
+16 rows' maxima and sums reduced together through a transpose; masks only at the diagonal), P (rounded to bf16, as
+torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks past a tile's last position are
+skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
 costly late tiles are shared. Each thread puts back the tile configuration it found (oneDNN's GEMMs use AMX too).
 
 Why: torch's CPU SDPA ran these shapes (head_dim 64, GQA, a few hundred tokens) at 30-120 GFLOP/s, and a chunk that
@@ -60,6 +61,9 @@ namespace {
 
 struct Seq { int64_t q0, q_len, len; const int64_t* table; uint32_t* k; uint32_t* v; };  // k, v: its packed K/V
 struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv; float scale; };
+
+// a * b rounded: an op g++ does not contract with a following add into an FMA (it does with _mm512_mul_ps's).
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
 inline int64_t chunks(int64_t len) { return (len + 63) / 64; }
 
@@ -139,15 +143,16 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
   constexpr int D = 64;
   const int64_t nf = s.q_len * a.G;
   int64_t pos[16];
-  float m[16], l[16], alpha[16];
+  alignas(64) float m[16], alpha[16];  // per row: the running max of the scaled scores, this chunk's rescale
+  __m512 vm = _mm512_set1_ps(-INFINITY), vl = _mm512_setzero_ps();  // lane r: row r's running max and sum
   for (int r = 0; r < 16; r++) {
     const int64_t f = std::min(f0 + r, nf - 1), i = f / a.G, g = f % a.G;
     std::memcpy(w.q[r], a.q + ((s.q0 + i) * a.H + kh * a.G + g) * D, D * 2);
-    pos[r] = s.len - s.q_len + i;
-    m[r] = -INFINITY; l[r] = 0.f;
+    pos[r] = s.len - s.q_len + i;  // non-decreasing in r
     for (int j = 0; j < D / 16; j++) _mm512_store_ps(w.o[r] + 16 * j, _mm512_setzero_ps());
   }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 scale = _mm512_set1_ps(a.scale);
   const int64_t nc = pos[15] / 64 + 1;
   for (int64_t c = 0; c < nc; c++) {
     const uint32_t* kc = s.k + c * 64 * (D / 2);   // key tile j, dims 32h..: kc + (j * 32 + 16 * h) * 16 words
@@ -160,26 +165,53 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
 #undef PD_QK
     _tile_stored(2, w.sc[0], 256); _tile_stored(3, w.sc[0] + 16, 256);
     _tile_stored(4, w.sc[0] + 32, 256); _tile_stored(5, w.sc[0] + 48, 256);
+    // The online softmax, its row reductions done 16 rows at a time (a transpose, then lane-wise max / sum). Keys past
+    // a row's position score -inf (only the chunks at the diagonal have any). Every value is the one a row at a time
+    // gives (scale, then subtract; scalar exp for the rescale; the sum in _mm512_reduce_add_ps's pairing), so the
+    // kernel's output does not depend on how its rows are reduced.
+    const bool full = c * 64 + 63 <= pos[0];
+    __m512i red[16];
     for (int r = 0; r < 16; r++) {
-      __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < 4; j++) {
-        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
-        const __mmask16 live = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r])));
-        x[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(w.sc[r] + 16 * j), _mm512_set1_ps(a.scale));
-        mx = _mm512_max_ps(mx, x[j]);
+        __m512 x = _mm512_load_ps(w.sc[r] + 16 * j);
+        if (!full) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(int(c * 64 + j * 16)));
+          x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(int(pos[r]))), x);
+          _mm512_store_ps(w.sc[r] + 16 * j, x);
+        }
+        mx = _mm512_max_ps(mx, x);
       }
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
-      alpha[r] = std::exp(m[r] - m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < 4; j++) {
-        x[j] = exp16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
-        sum = _mm512_add_ps(sum, x[j]);
-      }
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-      m[r] = m_new;
+      red[r] = _mm512_castps_si512(mx);
+    }
+    transpose16(red);
+    __m512 cm = _mm512_castsi512_ps(red[0]);
+    for (int j = 1; j < 16; j++) cm = _mm512_max_ps(cm, _mm512_castsi512_ps(red[j]));
+    const __m512 m_new = _mm512_max_ps(vm, _mm512_mul_ps(cm, scale));  // scale > 0: the max of the scaled scores
+    // alpha = e^(old max - new max): 1 where the max stayed (most chunks), 0 on the first; scalar expf where it moved
+    alignas(64) float m_old[16];
+    _mm512_store_ps(m_old, vm);
+    _mm512_store_ps(m, m_new);
+    _mm512_store_ps(alpha, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(vm, m_new, _CMP_EQ_OQ), _mm512_set1_ps(1.f)));
+    for (uint32_t moved = _mm512_cmp_ps_mask(vm, m_new, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(vm, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+         moved; moved &= moved - 1) {
+      const int r = __builtin_ctz(moved);
+      alpha[r] = std::exp(m_old[r] - m[r]);
+    }
+    vm = m_new;
+    for (int r = 0; r < 16; r++) {
+      const __m512 mr = _mm512_set1_ps(m[r]);
+      __m512 x[4];
+      for (int j = 0; j < 4; j++) x[j] = exp16(_mm512_sub_ps(mul(_mm512_load_ps(w.sc[r] + 16 * j), scale), mr));
+      red[r] = _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), x[2]), x[3]));
       _mm512_store_si512(w.p[r], (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
       _mm512_store_si512(w.p[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
     }
+    transpose16(red);   // lane j of every row in red[j]: summed in pairs (j, j + 8), (j, j + 4), (j, j + 2), (0, 1)
+    for (int h = 8; h >= 1; h /= 2)
+      for (int j = 0; j < h; j++)
+        red[j] = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(red[j]), _mm512_castsi512_ps(red[j + h])));
+    vl = _mm512_add_ps(mul(vl, _mm512_load_ps(alpha)), _mm512_castsi512_ps(red[0]));
     const uint32_t* vc = s.v + c * 32 * D;   // key pairs 16h.., dims 16j..: vc + 16 * h * D + 16 * j words
     _tile_loadd(0, w.p[0], 128);
     _tile_loadd(1, w.p[0] + 16, 128);
@@ -196,10 +228,12 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
         _mm512_store_ps(w.o[r] + 16 * j, _mm512_fmadd_ps(_mm512_load_ps(w.o[r] + 16 * j), al, _mm512_load_ps(w.sc[r] + 16 * j)));
     }
   }
+  alignas(64) float inv_l[16];
+  _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.f), vl));
   for (int r = 0; r < 16 && f0 + r < nf; r++) {
     const int64_t i = (f0 + r) / a.G, g = (f0 + r) % a.G;
     uint16_t* out = a.out + ((s.q0 + i) * a.H + kh * a.G + g) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(inv_l[r]);
     for (int j = 0; j < 4; j++)
       _mm256_storeu_si256((__m256i*)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(w.o[r] + 16 * j), inv)));
   }

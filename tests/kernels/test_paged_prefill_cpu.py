@@ -78,6 +78,32 @@ def test_kernel_matches_float64(heads, kv_heads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_output_does_not_depend_on_how_the_prompt_is_split(threads):
+    """The last rows of a prompt computed in one call with the whole prompt, and as a chunk after the rest is cached
+    (a P/D handoff's tail, chunked prefill, a prefix-cache hit) or in a step with another sequence: the same bits. The
+    rows land in other 16-row tiles each way, so this holds only if a tile's softmax gives each row the values it
+    would get alone."""
+    heads, kv_heads, n = 9, 3, 300
+    q, kv, tables, info = _case(heads, kv_heads, [(n, n)], seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = _run(q, kv, tables, info)[:n]
+        for tail in (1, 13, 37, 64, 129):
+            rows = q[n - tail:n]
+            alone = torch.tensor([[0, tail, n]])
+            assert torch.equal(_run(rows, kv, tables, alone), whole[n - tail:]), tail
+            # beside another sequence's rows (the same cache, its first 50 tokens as a prompt of their own)
+            both = torch.cat([q[:50], rows])
+            pair = torch.tensor([[0, 50, 50], [50, tail, n]])
+            got = _run(both, kv, torch.cat([tables, tables]), pair)
+            assert torch.equal(got[50:], whole[n - tail:]) and torch.equal(got[:50], whole[:50]), tail
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_no_worse_than_torch_sdpa_in_bf16():
     """The same inputs through torch's bf16 SDPA: the kernel's error vs float64 is of the same size."""
     q, kv, tables, info = _case(9, 3, [(300, 300), (48, 400)], seed=1)
