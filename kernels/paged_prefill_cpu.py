@@ -192,9 +192,10 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
     alignas(64) float m_old[16];
     _mm512_store_ps(m_old, vm);
     _mm512_store_ps(m, m_new);
-    _mm512_store_ps(alpha, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(vm, m_new, _CMP_EQ_OQ), _mm512_set1_ps(1.f)));
-    for (uint32_t moved = _mm512_cmp_ps_mask(vm, m_new, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(vm, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-         moved; moved &= moved - 1) {
+    const __mmask16 stayed = _mm512_cmp_ps_mask(vm, m_new, _CMP_EQ_OQ);
+    _mm512_store_ps(alpha, _mm512_maskz_mov_ps(stayed, _mm512_set1_ps(1.f)));
+    for (uint32_t moved = ~stayed & _mm512_cmp_ps_mask(vm, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); moved;
+         moved &= moved - 1) {
       const int r = __builtin_ctz(moved);
       alpha[r] = std::exp(m_old[r] - m[r]);
     }
