@@ -14,6 +14,7 @@
     python benchmarks/cpu_kernels.py [--threads 1]
     python benchmarks/cpu_kernels.py --compare-decode <git revision>   # the decode kernel then vs now
     python benchmarks/cpu_kernels.py --compare-prefill <git revision>  # the prefill kernel then vs now
+    python benchmarks/cpu_kernels.py --compare-linear <git revision>   # the AMX linear then vs now
 """
 
 from __future__ import annotations
@@ -157,19 +158,39 @@ def prefill_vs(ref_op, q_lens: list[int], seq_lens: list[int], repeat: int) -> t
     return *times, torch.equal(*outs)
 
 
-def linears(rows: int, repeat: int) -> tuple[float, float, int]:
-    """All 121 dense linears of the default model (per layer q/k/v, o, gate/up, down; the LM head) at ``rows`` rows:
-    oneDNN's packed linear vs the AMX kernel (ms each), and the weight bytes they read."""
+def model_linears(rows: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The weights of all 121 dense linears of the default model (per layer q/k/v, o, gate/up, down; the LM head),
+    bf16, and an input of ``rows`` rows for each input width."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in shapes]
+    return weights, {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+
+
+def linears(rows: int, repeat: int) -> tuple[float, float, int]:
+    """:func:`model_linears` at ``rows`` rows: oneDNN's packed linear vs the AMX kernel (ms each), and the weight bytes
+    they read."""
+    weights, xs = model_linears(rows)
     onednn = [PackedLinear(w, None) for w in weights]
     amx = [(torch.ops.pdserve_amx_linear.pack(w), w.shape[0]) for w in weights]
-    xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
     t_onednn = timed(lambda: [lin(xs[lin.in_features]) for lin in onednn], repeat)
     t_amx = timed(lambda: [torch.ops.pdserve_amx_linear.linear(xs[w.shape[1]], wp, None, n)
                            for w, (wp, n) in zip(weights, amx)], repeat)
     return t_onednn, t_amx, sum(w.nbytes for w in weights)
+
+
+def linears_vs(ref_op, rows: int, repeat: int) -> tuple[float, float, bool]:
+    """The AMX linear of another revision vs this tree's over :func:`model_linears` at ``rows`` rows: ms each, and
+    whether their outputs are the same bits."""
+    weights, xs = model_linears(rows)
+    packed = [(torch.ops.pdserve_amx_linear.pack(w), w.shape[0]) for w in weights]
+
+    def run(op) -> list[torch.Tensor]:
+        return [op(xs[w.shape[1]], wp, None, n) for w, (wp, n) in zip(weights, packed)]
+
+    ops = (ref_op, torch.ops.pdserve_amx_linear.linear)
+    times = tuple(timed(lambda: run(op), repeat) for op in ops)
+    return *times, all(torch.equal(a, b) for a, b in zip(run(ops[0]), run(ops[1])))
 
 
 def main() -> None:
@@ -178,6 +199,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--compare-decode", metavar="REF", help="only the decode kernel: git revision REF's vs this tree's")
     p.add_argument("--compare-prefill", metavar="REF", help="only the prefill kernel: git revision REF's vs this tree's")
+    p.add_argument("--compare-linear", metavar="REF", help="only the AMX linear: git revision REF's vs this tree's")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,6 +228,13 @@ def main() -> None:
         for name, (q_lens, seq_lens) in PREFILL_STEPS.items():
             r, k, same = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))
             print(f"  {name:42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
+        return
+    if args.compare_linear:
+        ref_op = kernel_of(args.compare_linear, "amx_linear", "pdserve_amx_linear", "linear", amx_linear.NEEDS)
+        print(f"{'all 121 linears, AMX':44s} {args.compare_linear[:9]:>9s} {'this tree':>9s}")
+        for rows in (1, 8, 16, 17, 24, 31, 32):
+            r, k, same = linears_vs(ref_op, rows, args.repeat)
+            print(f"  {f'{rows} rows':42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
         return
     print(f"{'prefill attention, one layer':44s} {'torch ms':>9s} {'kernel ms':>9s} {'speed-up':>8s}")
     for name, (q_lens, seq_lens) in PREFILL_STEPS.items():

@@ -131,12 +131,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
   if (M == 0) return out;
 #ifdef PD_AMX
   const int64_t Mp = (M + 15) / 16 * 16, Kp = kb * 32;
-  at::Tensor xa = x;
+  const uint16_t* a = (const uint16_t*)x.data_ptr();
   if (Mp != M || Kp != K || !x.is_contiguous()) {  // zero-padded rows and K: whole tiles, no reads past the end
-    xa = at::zeros({Mp, Kp}, x.options());
-    xa.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+    // into this thread's scratch, kept between calls: a fresh buffer a call (plus aten's zeros + copy_) cost 10-50 us
+    // of page faults and dispatch per linear at decode's 17-31 rows (benchmarks/cpu_kernels.py --compare-linear)
+    static thread_local std::vector<uint16_t> scratch;
+    scratch.resize(Mp * Kp);
+    uint16_t* dst = scratch.data();
+    const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
+    const uint16_t* src = (const uint16_t*)xs.data_ptr();
+    for (int64_t m = 0; m < M; m++) {
+      std::memcpy(dst + m * Kp, src + m * xs.stride(0), K * sizeof(uint16_t));
+      std::memset(dst + m * Kp + K, 0, (Kp - K) * sizeof(uint16_t));
+    }
+    std::memset(dst + M * Kp, 0, (Mp - M) * Kp * sizeof(uint16_t));
+    a = dst;
   }
-  const uint16_t* a = (const uint16_t*)xa.data_ptr();
   const uint16_t* b = (const uint16_t*)wp.data_ptr();
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   uint16_t* o = (uint16_t*)out.data_ptr();
@@ -202,11 +212,13 @@ TORCH_LIBRARY(pdserve_amx_linear, m) {
 """
 
 
+NEEDS = ("avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")   # CPU flags it is compiled for
+
+
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the kernel; None when it works, else why it cannot be used."""
-    reason = cpp_build.build_for("pdserve_amx_linear", SOURCE, ("avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
-                                 "the AMX linear kernel")
+    reason = cpp_build.build_for("pdserve_amx_linear", SOURCE, NEEDS, "the AMX linear kernel")
     if reason:
         log.warning("%s; bf16 linears stay on oneDNN", reason)
     return reason

@@ -58,6 +58,22 @@ def test_batched_and_strided_input():
 
 
 @needs_amx
+@pytest.mark.parametrize("m,k", [(1, 576), (17, 576), (24, 40), (40, 1536)])
+def test_row_strided_input_is_read_in_place(m, k):
+    """A view of the first k columns of wider rows (rows padded to whole tiles by plain copies): the same bits as its
+    contiguous copy, and as oneDNN's up to 32 rows."""
+    w, b = _bf16(200, k, seed=7, scale=0.05), _bf16(200, seed=8)
+    packed = torch.ops.pdserve_amx_linear.pack(w)
+    view = _bf16(m, k + 24, seed=9)[:, :k]
+    assert view.stride() == (k + 24, 1)
+    for bias in (None, b):
+        got = torch.ops.pdserve_amx_linear.linear(view, packed, bias, 200)
+        assert torch.equal(got, torch.ops.pdserve_amx_linear.linear(view.contiguous(), packed, bias, 200))
+        if m <= amx_linear.MAX_ROWS:
+            assert torch.equal(got, PackedLinear(w, bias)(view.contiguous()))
+
+
+@needs_amx
 def test_bad_shapes_are_errors():
     w = _bf16(40, 64)
     packed = torch.ops.pdserve_amx_linear.pack(w)
