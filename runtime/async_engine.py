@@ -159,8 +159,8 @@ class AsyncEngine:
         return len(ids)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the engine thread between two steps (the engine's methods); raises what it
-        raises, or ``EngineDeadError``."""
+        """``fn(*args, **kwargs)`` on the engine thread between two steps: the engine's methods, and work that uses
+        torch (loading an adapter); raises what it raises, or ``EngineDeadError``."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:

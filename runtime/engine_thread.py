@@ -3,9 +3,9 @@
 Why one thread: torch's CPU ops run on OpenMP (libgomp), which keeps a team of worker threads for every thread that
 has started parallel work. Once it manages more threads than the process has CPUs, a worker spins only ~100 times
 before it sleeps, so each of a step's ~1,000 parallel regions wakes it through the kernel. On 2 cores, an engine
-built on the main thread (whose team stays alive) and stepped on another ran the issue-10 workload ~1.2-1.3x slower
-in process, its OpenMP worker on a CPU ~55% of the time instead of ~99% (``benchmarks/engine_throughput.py --mode
-threads``; README, engine speed). vLLM's engine core likewise builds and steps its model on one thread.
+built on the main thread (whose team stays alive) and stepped on another ran the issue-10 workload 1.26-1.29x slower
+in process, its OpenMP worker busy ~50% of the time instead of ~100% (README, engine speed). vLLM's engine core
+likewise builds and steps its model on one thread.
 """
 
 from __future__ import annotations
