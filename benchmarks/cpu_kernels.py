@@ -189,8 +189,9 @@ def linears_vs(ref_op, rows: int, repeat: int) -> tuple[float, float, bool]:
         return [op(xs[w.shape[1]], wp, None, n) for w, (wp, n) in zip(weights, packed)]
 
     ops = (ref_op, torch.ops.pdserve_amx_linear.linear)
-    times = [[timed(lambda: run(op), repeat) for op in ops] for _ in range(3)]   # alternated: the host drifts
-    return *(min(t[i] for t in times) for i in range(2)), all(torch.equal(a, b) for a, b in zip(*map(run, ops)))
+    rounds = [[timed(lambda: run(op), repeat) for op in ops] for _ in range(3)]   # alternated: the host drifts
+    ref_ms, new_ms = (min(col) for col in zip(*rounds))
+    return ref_ms, new_ms, all(torch.equal(a, b) for a, b in zip(run(ops[0]), run(ops[1])))
 
 
 def main() -> None:
