@@ -45,11 +45,7 @@ def build_sampling_metadata(states: list[CachedRequestState], device: torch.devi
     for s in states:
         if s.sampling_params.seed is not None and s.generator is None:
             s.generator = torch.Generator(device=device).manual_seed(s.sampling_params.seed)
-    banned = []
-    for s in states:
-        sp = s.sampling_params
-        ids = list(sp.stop_token_ids) + ([s.eos_token_id] if s.eos_token_id is not None else [])
-        banned.append(ids if s.num_output_tokens < sp.min_tokens else [])
+    banned = [s.sampling_params.held_back_token_ids(s.eos_token_id, s.num_output_tokens) for s in states]
     return SamplingMetadata(
         req_ids=[s.req_id for s in states], params=[s.sampling_params for s in states],
         generators=[s.generator for s in states], all_token_ids=[s.token_ids for s in states],

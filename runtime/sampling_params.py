@@ -47,6 +47,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW  # a tinier temperature overflows float32 logits (as vLLM does)
 
+    def held_back_token_ids(self, eos_token_id: int | None, num_output_tokens: int) -> list[int]:
+        """The tokens ``min_tokens`` masks after ``num_output_tokens`` tokens: EOS and the stop token ids, or none."""
+        if num_output_tokens >= self.min_tokens:
+            return []
+        return list(self.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import torch
+
 from pdserve.runtime.request import Request, RequestStatus
 from pdserve.runtime.sched_output import SchedulerOutput
 from pdserve.runtime.scheduler import Scheduler
@@ -20,7 +22,7 @@ class StructuredOutputHooks:
         self.manager = manager
         self.scheduler = scheduler
         self._waiting: list[Request] = []   # constrained requests whose grammar is still compiling
-        self._dead_end: set[str] = set()     # rows whose mask allowed no token this step (their sample is refused)
+        self._dead_end: dict[str, str] = {}  # rows whose mask allowed no token this step -> why (their sample is refused)
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
@@ -65,12 +67,20 @@ class StructuredOutputHooks:
         computed = sched_out.num_computed_tokens()
         ids = [rid for rid, n in sched_out.num_scheduled_tokens.items()
                if self.manager.is_ready(rid) and computed[rid] + n >= requests[rid].num_tokens]
-        if ids:
-            sched_out.structured_output_request_ids = ids
-            sched_out.grammar_bitmask = bitmask = self.manager.grammar_bitmask(ids)
-            empty = ~bitmask.any(dim=1)
-            if bool(empty.any()):
-                self._dead_end.update(rid for rid, e in zip(ids, empty.tolist()) if e)
+        if not ids:
+            return
+        sched_out.structured_output_request_ids = ids
+        sched_out.grammar_bitmask = bitmask = self.manager.grammar_bitmask(ids)
+        for i, rid in enumerate(ids):
+            self._dead_end.pop(rid, None)
+            req = requests[rid]
+            held = req.sampling_params.held_back_token_ids(req.eos_token_id, req.num_output_tokens)
+            if not bool(bitmask[i].any()):
+                self._dead_end[rid] = DEAD_END
+            elif held and not _clear(bitmask[i], held).any():
+                # the grammar may only stop here, and min_tokens holds the stop tokens back: no token is left
+                self._dead_end[rid] = (f"{DEAD_END}: it allows only a stop token after {req.num_output_tokens} "
+                                       f"tokens, and min_tokens={req.sampling_params.min_tokens} holds those back")
 
     def advance(self, progressed: list[Request]) -> None:
         """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
@@ -80,10 +90,17 @@ class StructuredOutputHooks:
             if not self.manager.has(rid):
                 continue
             if not self.manager.accept(rid, req.output_token_ids):
-                why = DEAD_END if rid in self._dead_end else "structured output: grammar refused a token"
-                self._dead_end.discard(rid)
+                why = self._dead_end.pop(rid, "structured output: grammar refused a token")
                 if not req.is_finished:
                     self.scheduler.fail_request(req, why)
                 req.status, req.error = RequestStatus.FINISHED_ERROR, why
             elif not req.is_finished and self.manager.is_terminated(rid):
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+
+
+def _clear(row: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """Clear ``token_ids``' bits in one packed int32 bitmask row (in place); returns the row."""
+    for t in token_ids:
+        if 0 <= t < row.numel() * 32:
+            row[t // 32] = int(row[t // 32]) & ~(1 << (t % 32))   # a Python int's & keeps the int32 range
+    return row

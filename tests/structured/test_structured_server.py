@@ -280,6 +280,21 @@ def test_constraint_no_token_can_continue_is_the_clients_400(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 94, "top_p": 0.43, "seed": 7}],
+                         ids=["greedy", "sampled"])
+def test_min_tokens_past_where_the_constraint_must_stop_is_the_clients_400(server, sampling):
+    """The regex "a" leaves only the stop token after one token, and min_tokens=5 holds the stop tokens back: no
+    token is left. It ends as the dead-end 400 naming min_tokens (it was a 503 "grammar refused a token": the row's
+    logits were all -inf and the sampler's pick was arbitrary), and a min_tokens the constraint allows is served."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "structured_outputs": {"regex": "a"}, **sampling}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "min_tokens": 5})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "structured_output_dead_end" and "min_tokens=5" in err["message"], err
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "min_tokens": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "a", r.text
+
+
 def test_metrics(server):
     """Run last in the module: the requests above compiled grammars, hit the cache and were counted by kind."""
     from pdserve.runtime.metrics import parse_samples
