@@ -10,12 +10,16 @@ alternate the systems (A, B, C, A, B, C, ...) and the best round of each counts 
 N short prompts to M1 and then to M2 output tokens; N * (M2 - M1) / (T2 - T1) cancels prefill and request overheads.
 
 Offline mode (``--mode offline``): the in-process `LLM` engine vs transformers, no HTTP.
+Threads mode (``--mode threads``): the compare workload from 32 concurrent clients in process, through the server's
+``AsyncEngine`` without HTTP, with the engine built on the main thread (as `pdserve serve` did before
+runtime/engine_thread.py) vs on the thread that steps it (as it does now), alternated ``--rounds`` times.
 TTFT mode (``--mode ttft-prefix``): 32 requests sharing a 1,000-token prefix (plus a short unique suffix), submitted one
 after another, time to first token with and without prefix caching (the first request cannot hit the cache: it is in
 the mean, and the mean after it is printed too); ``--rounds N`` alternates the two engines N times.
 
     python benchmarks/engine_throughput.py --rounds 2 --decode
     python benchmarks/engine_throughput.py --mode ttft-prefix
+    python benchmarks/engine_throughput.py --mode threads --rounds 2
 """
 
 from __future__ import annotations
@@ -267,9 +271,75 @@ def ttft_prefix(args) -> None:
               f"median {statistics.median(off) / statistics.median(on):.2f}x")
 
 
+def threads(args) -> None:
+    """Each round runs both variants, each in a fresh process (a thread that ran OpenMP work keeps its team)."""
+    import subprocess
+
+    if args.built_on:
+        print(f"SECONDS {threads_run(args, args.built_on == 'loop'):.3f}")
+        return
+    best: dict[str, float] = {}
+    for rnd in range(args.rounds):
+        for where in ("main", "loop"):
+            cmd = [sys.executable, __file__, "--mode", "threads", "--built-on", where, "--dtype", args.dtype,
+                   "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
+                   "--seed", str(args.seed), *(["--model", args.model] if args.model else [])]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            dt = float(out.split("SECONDS ")[-1])
+            print(f"round {rnd + 1}, engine built on the {where} thread: {dt:6.1f} s", flush=True)
+            best[where] = min(best.get(where, float("inf")), dt)
+    print(f"best of {args.rounds} round(s): built on the main thread {best['main']:.1f} s, on the loop thread "
+          f"{best['loop']:.1f} s: {best['main'] / best['loop']:.2f}x")
+
+
+def threads_run(args, on_loop_thread: bool) -> float:
+    """The workload through ``AsyncEngine`` in this process; seconds."""
+    from pdserve.runtime.async_engine import AsyncEngine
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
+    from pdserve.runtime.engine_thread import EngineThread
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_options(model=args.model, dtype=args.dtype)
+    thread = EngineThread() if on_loop_thread else None
+    engine = thread.call(LLMEngine, config) if thread else LLMEngine(config)
+    reqs = workload(args, engine.hf_config.vocab_size)
+
+    async def run_one(ae, rid: str, prompt: list[int], n: int) -> None:
+        stream = await ae.add(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        while not (out := await stream.next()).finished:
+            pass
+        ae.release(stream)
+        if len(out.outputs[0].token_ids) != n:
+            raise RuntimeError(f"asked for {n} tokens, got {len(out.outputs[0].token_ids)}")
+
+    async def drive_in_process() -> float:
+        ae = AsyncEngine(engine, thread=thread)
+        ae.start()
+        queue = list(enumerate(reqs))
+
+        async def client() -> None:
+            while queue:
+                i, (prompt, n) = queue.pop(0)
+                await run_one(ae, f"r{i}", prompt, n)
+
+        try:
+            await run_one(ae, "warm-up", list(range(100, 164)), 4)
+            t = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(args.concurrency)))
+            return time.perf_counter() - t
+        finally:
+            ae.stop()
+
+    try:
+        return asyncio.run(drive_in_process())
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["compare", "offline", "ttft-prefix"], default="compare")
+    p.add_argument("--mode", choices=["compare", "offline", "ttft-prefix", "threads"], default="compare")
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="offline / ttft-prefix modes: the engine's dtype")
@@ -298,10 +368,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for this process")
     p.add_argument("--skip-hf", action="store_true", help="run pdserve only")
+    p.add_argument("--built-on", choices=["main", "loop"], default=None, help=argparse.SUPPRESS)   # threads mode
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"compare": compare, "offline": throughput, "ttft-prefix": ttft_prefix}[args.mode](args)
+    {"compare": compare, "offline": throughput, "ttft-prefix": ttft_prefix, "threads": threads}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.drain import drain
 from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.engine_thread import EngineThread
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
 from pdserve.runtime.routes import build_app
 from pdserve.runtime.server_state import ServerOptions
@@ -54,19 +55,22 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """``pdserve serve``: build the engine from ``config`` and serve it as ``options`` say until signalled."""
     from pdserve.runtime.engine import LLMEngine
 
-    engine = LLMEngine(config)
+    thread = EngineThread()   # builds the engine and then steps it: one thread does all of its torch work
+    engine = thread.call(LLMEngine, config)
     publisher = None
     ev = options.kv_events
     if ev is not None:
         publisher = KVEventPublisher(ev.host, ev.port, replay_port=ev.replay_port, topic=ev.topic)
-    return serve_engine(engine, options, kv_publisher=publisher)
+    return serve_engine(engine, options, kv_publisher=publisher, engine_thread=thread)
 
 
-def serve_engine(engine: EngineClient, options: ServerOptions, *, kv_publisher: KVEventPublisher | None = None) -> int:
-    """Serve ``engine`` until SIGTERM/SIGINT, then drain and return 0. Owns and shuts down the engine and publisher."""
+def serve_engine(engine: EngineClient, options: ServerOptions, *, kv_publisher: KVEventPublisher | None = None,
+                 engine_thread: EngineThread | None = None) -> int:
+    """Serve ``engine`` until SIGTERM/SIGINT, then drain and return 0. Owns and shuts down the engine and publisher;
+    ``engine_thread``: the thread that built the engine, which then runs its loop."""
     import uvicorn
 
-    app = build_app(engine, options, kv_publisher=kv_publisher)
+    app = build_app(engine, options, kv_publisher=kv_publisher, engine_thread=engine_thread)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level.lower(),
                                access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = _GracefulServer(app, uv_config, options.shutdown_grace_period)

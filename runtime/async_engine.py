@@ -6,9 +6,11 @@ engine's ``ValueError`` back) and receives outputs through one ``RequestStream``
 ``loop.call_soon_threadsafe`` once per step. Outputs are cumulative, so a stream keeps only the latest one: memory per
 request is bounded however slowly its client reads.
 
-The thread steps while the engine has unfinished requests and sleeps on an event otherwise. After every step it
-publishes KV events (if a publisher is attached), stores a stats snapshot for ``/metrics`` and records whether the
-engine still has work (``engine_busy``: requests, or KV transfers still holding blocks), which a drain waits for.
+The thread is an ``EngineThread`` (runtime/engine_thread.py): pass the one that built the engine, so that one thread
+does all of the engine's torch work. It steps while the engine has unfinished requests and sleeps on an event
+otherwise. After every step it publishes KV events (if a publisher is attached), stores a stats snapshot for
+``/metrics`` and records whether the engine still has work (``engine_busy``: requests, or KV transfers still holding
+blocks), which a drain waits for.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from typing import Any, Callable
 
 from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.engine_thread import EngineThread
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
 from pdserve.runtime.metrics import ServerMetrics
 from pdserve.runtime.outputs import RequestOutput
@@ -77,7 +80,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: EngineClient, *, metrics: ServerMetrics | None = None,
-                 kv_publisher: KVEventPublisher | None = None, idle_poll_s: float = 0.5):
+                 kv_publisher: KVEventPublisher | None = None, idle_poll_s: float = 0.5,
+                 thread: EngineThread | None = None):
         self.engine = engine
         self.metrics = metrics
         self.kv_publisher = kv_publisher
@@ -90,19 +94,23 @@ class AsyncEngine:
         self._commands: deque[tuple[Callable[[], None], concurrent.futures.Future | None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread, self._own_thread = thread, thread is None
+        self._running: concurrent.futures.Future | None = None
 
     # ---- lifecycle (event loop side) ----
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = self._thread or EngineThread()
+        self._running = self._thread.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._running is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                self._running.result(timeout)
+        if self._own_thread and self._thread is not None:
+            self._thread.close(timeout)
 
     @property
     def num_inflight(self) -> int:
@@ -125,20 +133,8 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def add() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                self.engine.add_request(request_id, prompt, params, **kwargs)
-                fut.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                fut.set_exception(e)
-
-        self._submit(add, fut)
         try:
-            await asyncio.wrap_future(fut)
+            await self.call(self.engine.add_request, request_id, prompt, params, **kwargs)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -161,6 +157,21 @@ class AsyncEngine:
         for s in streams:
             s._abort()
         return len(ids)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the engine thread between two steps: the engine's methods, and work that uses
+        torch (loading an adapter); raises what it raises, or ``EngineDeadError``."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                    fut.set_exception(e)
+
+        self._submit(command, fut)
+        return await asyncio.wrap_future(fut)
 
     def _submit(self, command: Callable[[], None], fut: concurrent.futures.Future | None = None) -> None:
         self._commands.append((command, fut))

@@ -39,6 +39,7 @@ from pdserve.runtime.structured_output.metrics import StructuredOutputCollector
 from pdserve.runtime import streaming
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.engine_thread import EngineThread
 from pdserve.runtime.json_body import read_json
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
 from pdserve.runtime.metrics import RequestTimer, ServerMetrics
@@ -52,12 +53,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: EngineClient, options: ServerOptions = ServerOptions(), *,
-              kv_publisher: KVEventPublisher | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; the engine loop thread runs for the app's lifespan."""
+              kv_publisher: KVEventPublisher | None = None, engine_thread: EngineThread | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; the engine loop runs for the app's lifespan, on ``engine_thread`` (the
+    thread that built the engine; a new one if None)."""
     metrics = ServerMetrics(engine.served_model_name, kv_connector=engine.config.kv_transfer.connector is not None)
     metrics.set_model_weight_bytes(engine.weight_bytes)
     metrics.registry.register(StructuredOutputCollector(engine.structured.stats, engine.served_model_name))
-    state = ServerState(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher))
+    state = ServerState(engine, options, metrics, AsyncEngine(engine, metrics=metrics, kv_publisher=kv_publisher,
+                                                                thread=engine_thread))
     builder = ResponseBuilder(engine, tool_parser=options.tool_call_parser)
     kv_fingerprint = drain_mod.fingerprint(engine)
 
