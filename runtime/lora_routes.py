@@ -84,7 +84,9 @@ def install_routes(app: FastAPI, state: Any, guarded: list, read_json: Any) -> N
         if req.lora_name in state.model_names:
             raise ApiError(400, f"lora_name {req.lora_name!r} is the base model's name", param="lora_name")
         try:
-            await state.off_loop(engine.add_lora, req.lora_name, req.lora_path)
+            # on the engine thread, between two steps (as vLLM's engine core loads adapters): torch work on any other
+            # thread would give OpenMP a second worker team and slow every later step (runtime/engine_thread.py)
+            await state.async_engine.call(engine.add_lora, req.lora_name, req.lora_path)
         except LoRAError as e:
             raise ApiError(400, str(e), param="lora_path", code="invalid_lora_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")

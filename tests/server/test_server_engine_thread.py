@@ -70,6 +70,34 @@ def test_the_app_steps_the_engine_on_the_thread_that_built_it(threads_seen):
     assert threads_seen["stepped"] == set(threads_seen["built"]) and len(threads_seen["built"]) == 1
 
 
+def test_a_runtime_adapter_load_runs_on_the_engine_thread(threads_seen, monkeypatch, tmp_path):
+    """Loading an adapter converts and checks its tensors with torch: on the server's CPU pool it gave OpenMP a second
+    team (seen with gdb: a second libgomp worker after /v1/load_lora_adapter), so it runs on the engine thread."""
+    from pdserve.runtime import lora_manager
+    from tests.support.lora import ADAPTERS, make_adapter
+
+    rank, alpha, targets, rslora = ADAPTERS["attn8"]
+    adapter = make_adapter(tmp_path / "a", rank, alpha, targets, rslora, seed=1)
+    loaded_on = []
+    add = lora_manager.LoRAManager.add
+    monkeypatch.setattr(lora_manager.LoRAManager, "add",
+                        lambda self, *a, **k: loaded_on.append(threading.get_ident()) or add(self, *a, **k))
+    monkeypatch.setenv("PDSERVE_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    thread = EngineThread()
+    engine = thread.call(engine_mod.LLMEngine, EngineConfig.from_options(
+        num_gpu_blocks=16, max_model_len=256, device="cpu", enable_lora=True, max_lora_rank=8))
+    try:
+        with TestClient(build_app(engine, engine_thread=thread)) as c:
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)})
+            assert r.status_code == 200, r.text
+            r = c.post("/v1/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+    finally:
+        engine.shutdown()
+        thread.close(5)
+    assert loaded_on == list(threads_seen["built"]) and len(loaded_on) == 1
+
+
 def test_engine_thread_runs_calls_in_order_and_hands_back_errors():
     thread = EngineThread()
     order: list[int] = []
