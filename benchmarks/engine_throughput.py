@@ -12,7 +12,8 @@ N short prompts to M1 and then to M2 output tokens; N * (M2 - M1) / (T2 - T1) ca
 Offline mode (``--mode offline``): the in-process `LLM` engine vs transformers, no HTTP.
 Threads mode (``--mode threads``): the compare workload from 32 concurrent clients in process, through the server's
 ``AsyncEngine`` without HTTP, with the engine built on the main thread (as `pdserve serve` did before
-runtime/engine_thread.py) vs on the thread that steps it (as it does now), alternated ``--rounds`` times.
+runtime/engine_thread.py) vs on the thread that steps it (as it does now), and the engine stepped directly by one
+thread with no ``AsyncEngine`` (the same clients' pacing), alternated ``--rounds`` times.
 TTFT mode (``--mode ttft-prefix``): 32 requests sharing a 1,000-token prefix (plus a short unique suffix), submitted one
 after another, time to first token with and without prefix caching (the first request cannot hit the cache: it is in
 the mean, and the mean after it is printed too); ``--rounds N`` alternates the two engines N times.
@@ -276,20 +277,49 @@ def threads(args) -> None:
     import subprocess
 
     if args.built_on:
-        print(f"SECONDS {threads_run(args, args.built_on == 'loop'):.3f}")
+        run = threads_direct if args.built_on == "direct" else threads_run
+        print(f"SECONDS {run(args, args.built_on == 'loop'):.3f}")
         return
     best: dict[str, float] = {}
     for rnd in range(args.rounds):
-        for where in ("main", "loop"):
+        for where in ("main", "loop", "direct"):
             cmd = [sys.executable, __file__, "--mode", "threads", "--built-on", where, "--dtype", args.dtype,
                    "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
                    "--seed", str(args.seed), *(["--model", args.model] if args.model else [])]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             dt = float(out.split("SECONDS ")[-1])
-            print(f"round {rnd + 1}, engine built on the {where} thread: {dt:6.1f} s", flush=True)
+            what = "stepped directly, no AsyncEngine" if where == "direct" else f"engine built on the {where} thread"
+            print(f"round {rnd + 1}, {what}: {dt:6.1f} s", flush=True)
             best[where] = min(best.get(where, float("inf")), dt)
     print(f"best of {args.rounds} round(s): built on the main thread {best['main']:.1f} s, on the loop thread "
-          f"{best['loop']:.1f} s: {best['main'] / best['loop']:.2f}x")
+          f"{best['loop']:.1f} s: {best['main'] / best['loop']:.2f}x; stepped directly {best['direct']:.1f} s "
+          f"(AsyncEngine on the loop thread / direct: {best['loop'] / best['direct']:.2f}x)")
+
+
+def threads_direct(args, _: bool) -> float:
+    """The same workload and concurrency, the engine stepped by this thread with no AsyncEngine; seconds."""
+    from pdserve.runtime.config import EngineConfig
+    from pdserve.runtime.engine import LLMEngine
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_options(model=args.model, dtype=args.dtype))
+    queue = list(enumerate(workload(args, engine.hf_config.vocab_size)))
+    warm = (list(range(100, 164)), 4)
+    engine.add_request("warm-up", warm[0], SamplingParams(temperature=0.0, max_tokens=warm[1], ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t = time.perf_counter()
+    inflight = 0
+    try:
+        while queue or inflight:
+            while queue and inflight < args.concurrency:   # a client sends its next request when one finishes
+                i, (prompt, n) = queue.pop(0)
+                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                inflight += 1
+            inflight -= sum(out.finished for out in engine.step())
+        return time.perf_counter() - t
+    finally:
+        engine.shutdown()
 
 
 def threads_run(args, on_loop_thread: bool) -> float:
@@ -368,7 +398,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for this process")
     p.add_argument("--skip-hf", action="store_true", help="run pdserve only")
-    p.add_argument("--built-on", choices=["main", "loop"], default=None, help=argparse.SUPPRESS)   # threads mode
+    p.add_argument("--built-on", choices=["main", "loop", "direct"], default=None, help=argparse.SUPPRESS)   # threads mode
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
