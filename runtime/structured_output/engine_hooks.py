@@ -89,8 +89,9 @@ class StructuredOutputHooks:
             rid = req.request_id
             if not self.manager.has(rid):
                 continue
-            if not self.manager.accept(rid, req.output_token_ids):
-                why = self._dead_end.pop(rid, "structured output: grammar refused a token")
+            why = self._dead_end.pop(rid, None)   # a dead-end row's draw is arbitrary (it may even be a stop token)
+            if why is not None or not self.manager.accept(rid, req.output_token_ids):
+                why = why or "structured output: grammar refused a token"
                 if not req.is_finished:
                     self.scheduler.fail_request(req, why)
                 req.status, req.error = RequestStatus.FINISHED_ERROR, why
