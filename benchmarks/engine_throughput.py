@@ -273,12 +273,12 @@ def ttft_prefix(args) -> None:
 
 
 def threads(args) -> None:
-    """Each round runs both variants, each in a fresh process (a thread that ran OpenMP work keeps its team)."""
+    """Each round runs the three variants, each in a fresh process (a thread that ran OpenMP work keeps its team)."""
     import subprocess
 
     if args.built_on:
-        run = threads_direct if args.built_on == "direct" else threads_run
-        print(f"SECONDS {run(args, args.built_on == 'loop'):.3f}")
+        dt = threads_direct(args) if args.built_on == "direct" else threads_run(args, args.built_on == "loop")
+        print(f"SECONDS {dt:.3f}")
         return
     best: dict[str, float] = {}
     for rnd in range(args.rounds):
@@ -296,7 +296,7 @@ def threads(args) -> None:
           f"(AsyncEngine on the loop thread / direct: {best['loop'] / best['direct']:.2f}x)")
 
 
-def threads_direct(args, _: bool) -> float:
+def threads_direct(args) -> float:
     """The same workload and concurrency, the engine stepped by this thread with no AsyncEngine; seconds."""
     from pdserve.runtime.config import EngineConfig
     from pdserve.runtime.engine import LLMEngine

@@ -24,7 +24,7 @@ from collections import deque
 from typing import Any, Callable
 
 from pdserve.runtime.engine_client import EngineClient
-from pdserve.runtime.engine_thread import EngineThread
+from pdserve.runtime.engine_thread import EngineThread, run_into
 from pdserve.runtime.kv_event_publisher import KVEventPublisher
 from pdserve.runtime.metrics import ServerMetrics
 from pdserve.runtime.outputs import RequestOutput
@@ -162,15 +162,7 @@ class AsyncEngine:
         """``fn(*args, **kwargs)`` on the engine thread between two steps: the engine's methods, and work that uses
         torch (loading an adapter); raises what it raises, or ``EngineDeadError``."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def command() -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                    fut.set_exception(e)
-
-        self._submit(command, fut)
+        self._submit(lambda: run_into(lambda: fn(*args, **kwargs), fut), fut)
         return await asyncio.wrap_future(fut)
 
     def _submit(self, command: Callable[[], None], fut: concurrent.futures.Future | None = None) -> None:

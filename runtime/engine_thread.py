@@ -45,9 +45,13 @@ class EngineThread:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                    fut.set_exception(e)
+            run_into(*job)
+
+
+def run_into(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+    """Run ``fn`` into ``fut`` (its result or exception), unless ``fut`` was cancelled first."""
+    if fut.set_running_or_notify_cancel():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)

@@ -71,16 +71,20 @@ class StructuredOutputHooks:
             return
         sched_out.structured_output_request_ids = ids
         sched_out.grammar_bitmask = bitmask = self.manager.grammar_bitmask(ids)
-        for i, rid in enumerate(ids):
+        reqs = [requests[rid] for rid in ids]
+        held = [r.sampling_params.held_back_token_ids(r.eos_token_id, r.num_output_tokens) for r in reqs]
+        grammar_allows = bitmask.any(dim=1).tolist() if any(held) else None   # before min_tokens' mask
+        for i, h in enumerate(held):
+            if h:
+                _clear(bitmask[i], h)
+        for i, (rid, req, allows) in enumerate(zip(ids, reqs, bitmask.any(dim=1).tolist())):
             self._dead_end.pop(rid, None)
-            req = requests[rid]
-            held = req.sampling_params.held_back_token_ids(req.eos_token_id, req.num_output_tokens)
-            if not bool(bitmask[i].any()):
-                self._dead_end[rid] = DEAD_END
-            elif held and not _clear(bitmask[i], held).any():
-                # the grammar may only stop here, and min_tokens holds the stop tokens back: no token is left
-                self._dead_end[rid] = (f"{DEAD_END}: it allows only a stop token after {req.num_output_tokens} "
-                                       f"tokens, and min_tokens={req.sampling_params.min_tokens} holds those back")
+            if allows:
+                continue
+            # no token left: the grammar's own dead end, or it may only stop and min_tokens holds the stop tokens back
+            self._dead_end[rid] = (f"{DEAD_END}: it allows only a stop token after {req.num_output_tokens} tokens, "
+                                   f"and min_tokens={req.sampling_params.min_tokens} holds those back"
+                                   if grammar_allows and grammar_allows[i] else DEAD_END)
 
     def advance(self, progressed: list[Request]) -> None:
         """Advance each constrained request's matcher over its newly accepted tokens (see StructuredOutputManager).
@@ -99,9 +103,8 @@ class StructuredOutputHooks:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
 
 
-def _clear(row: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
-    """Clear ``token_ids``' bits in one packed int32 bitmask row (in place); returns the row."""
+def _clear(row: torch.Tensor, token_ids: list[int]) -> None:
+    """Clear ``token_ids``' bits in one packed int32 bitmask row (in place)."""
     for t in token_ids:
         if 0 <= t < row.numel() * 32:
             row[t // 32] = int(row[t // 32]) & ~(1 << (t % 32))   # a Python int's & keeps the int32 range
-    return row
