@@ -133,14 +133,16 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
 }
 
 #ifdef PD_AVX512
-// Asks for block i's rows of one head (K or V: base) ahead of use. Consecutive blocks of a layer sit a whole block
-// apart (every layer's K and V in between), past any page the hardware prefetcher would follow.
-template <typename KV, int64_t D>
-inline void prefetch_block(const Args& a, const KV* base, const int64_t* table, int64_t i, int64_t L) {
-  if (i * a.bs >= L) return;
-  const char* p = (const char*)(base + table[i] * a.s_block);
-  for (int64_t r = 0; r < a.bs; r++)
-    for (int64_t o = 0; o < D * (int64_t)sizeof(KV); o += 64) _mm_prefetch(p + r * a.Hkv * D * sizeof(KV) + o, _MM_HINT_T0);
+// Asks for row r of one head in the next block (next: its first row; nullptr: none) while row r of this block is
+// computed. Spread over the rows like this, the next block's loads overlap this block's arithmetic; a whole block
+// asked for at once (96 lines) filled every line-fill buffer and stalled until it arrived, so loads and arithmetic
+// took turns (1.7-1.9x at 8-64 sequences, README). Consecutive blocks of a layer sit a whole block apart (every
+// layer's K and V in between), past any page the hardware prefetcher would follow.
+template <typename KV, int DV>
+inline void prefetch_row(const KV* next, int64_t r, int64_t row) {
+  if (next == nullptr) return;
+  const char* p = (const char*)(next + r * row);
+  for (int64_t o = 0; o < 16 * DV * (int64_t)sizeof(KV); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
 // out[i] = the sum of the 16 floats of row v[i], for 16 rows at once (a transposing tree: ~3 shuffles and adds a row
@@ -161,11 +163,12 @@ inline __m512 sum16(const float (*v)[16]) {
 }
 
 // The scaled scores of G query heads (qv: registers) over `rows` consecutive K rows of one head in one block (k: the
-// first row, rows a.Hkv * D apart), into s[g * L + r]. bf16: the products of 16 rows are summed at once (sum16) and
+// first row, rows a.Hkv * D apart), into s[g * L + r], asking for the rows of `next` as it goes (prefetch_row). bf16: the products of 16 rows are summed at once (sum16) and
 // rounded to bf16 as the torch path's bf16 GEMM does; float32 keeps one horizontal sum per row (the order the
 // float32 parity tests run on).
 template <typename KV, int G, int DV>
-inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, int64_t rows, float* s, int64_t L) {
+inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, int64_t rows, float* s, int64_t L,
+                         const KV* next) {
   constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
   const int64_t row = a.Hkv * 16 * DV;
   __m512 x[DV];
@@ -174,6 +177,7 @@ inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, 
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
       const int64_t n = std::min<int64_t>(16, rows - r0);
       for (int64_t r = 0; r < n; r++) {
+        prefetch_row<KV, DV>(next, r0 + r, row);
         for (int j = 0; j < DV; j++) x[j] = load16(k + (r0 + r) * row + 16 * j);
         for (int g = 0; g < G; g++) {
           __m512 acc = _mm512_mul_ps(qv[g][0], x[0]);
@@ -187,6 +191,7 @@ inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, 
     }
   } else {
     for (int64_t r = 0; r < rows; r++) {
+      prefetch_row<KV, DV>(next, r, row);
       for (int j = 0; j < DV; j++) x[j] = load16(k + r * row + 16 * j);
       for (int g = 0; g < G; g++) {
         __m512 acc = _mm512_mul_ps(qv[g][0], x[0]);
@@ -197,12 +202,15 @@ inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, 
   }
 }
 
-// Adds the probability-weighted V rows of one head in one block (v: the first row) to G output rows (o: registers).
+// Adds the probability-weighted V rows of one head in one block (v: the first row) to G output rows (o: registers),
+// asking for the rows of `next` as it goes.
 template <typename KV, int G, int DV>
-inline void block_values(const Args& a, __m512 (&o)[G][DV], const KV* v, int64_t rows, const float* p, int64_t L) {
+inline void block_values(const Args& a, __m512 (&o)[G][DV], const KV* v, int64_t rows, const float* p, int64_t L,
+                         const KV* next) {
   const int64_t row = a.Hkv * 16 * DV;
   __m512 x[DV];
   for (int64_t r = 0; r < rows; r++) {
+    prefetch_row<KV, DV>(next, r, row);
     for (int j = 0; j < DV; j++) x[j] = load16(v + r * row + 16 * j);
     for (int g = 0; g < G; g++) {
       const __m512 w = _mm512_set1_ps(p[g * L + r]);
@@ -232,58 +240,51 @@ void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<
   const int64_t L = a.lens[b], nblk = (L + a.bs - 1) / a.bs;
   const int64_t* table = a.tables + b * a.nb;
   sc.resize(G * L);
+  const auto k_at = [&](int64_t i) { return kv + table[i] * a.s_block + kh * D; };  // the head's first K row
   __m512 qv[G][DV], o[G][DV];
   load_rows<G, DV>(qv, a.q + (b * a.H + kh * G) * D);
-  for (int64_t i = 0; i < nblk; i++) {
-    prefetch_block<KV, D>(a, kv + kh * D, table, i + 1, L);
-    block_scores<KV, G, DV>(a, qv, kv + table[i] * a.s_block + kh * D, std::min(a.bs, L - i * a.bs),
-                            sc.data() + i * a.bs, L);
-  }
+  for (int64_t i = 0; i < nblk; i++)  // the last K block asks for the first V block
+    block_scores<KV, G, DV>(a, qv, k_at(i), std::min(a.bs, L - i * a.bs), sc.data() + i * a.bs, L,
+                            i + 1 < nblk ? k_at(i + 1) : k_at(0) + a.s_kv);
   softmax_rows(sc.data(), G, L, bf16);
   for (int g = 0; g < G; g++)
     for (int j = 0; j < DV; j++) o[g][j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nblk; i++) {
-    prefetch_block<KV, D>(a, kv + a.s_kv + kh * D, table, i + 1, L);
-    block_values<KV, G, DV>(a, o, kv + a.s_kv + table[i] * a.s_block + kh * D, std::min(a.bs, L - i * a.bs),
-                            sc.data() + i * a.bs, L);
-  }
+  for (int64_t i = 0; i < nblk; i++)
+    block_values<KV, G, DV>(a, o, k_at(i) + a.s_kv, std::min(a.bs, L - i * a.bs), sc.data() + i * a.bs, L,
+                            i + 1 < nblk ? k_at(i + 1) + a.s_kv : nullptr);
   store_rows<G, DV>(o, a.out + (b * a.H + kh * G) * D);
 }
 
 // One whole sequence, every KV head, block by block (many sequences per step): a block's rows hold all heads side by
-// side, so a layer-block's K (then V) is one contiguous span, read once for all heads and prefetched whole, instead of
-// each head's slice of it being fetched from memory on its own (README: 1.5-1.9x at 1-64 sequences).
+// side, so a layer-block's K (then V) is one contiguous span, read once for all heads, instead of each head's slice of
+// it being fetched from memory on its own (README: 1.5-1.9x at 1-64 sequences).
 // Same arithmetic per head as item_fixed.
 template <typename KV, int G, int DV>
 void seq_fixed(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {
   constexpr int64_t D = 16 * DV;
   constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
-  const int64_t L = a.lens[b], nblk = (L + a.bs - 1) / a.bs, span = a.bs * a.Hkv * D * (int64_t)sizeof(KV);
+  const int64_t L = a.lens[b], nblk = (L + a.bs - 1) / a.bs;
   const int64_t* table = a.tables + b * a.nb;
-  auto prefetch = [&](const KV* base, int64_t i) {
-    if (i >= nblk) return;
-    const char* p = (const char*)(base + table[i] * a.s_block);
-    for (int64_t o = 0; o < span; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-  };
+  const auto k_at = [&](int64_t i) { return kv + table[i] * a.s_block; };  // the block's first K row
   sc.resize(a.Hkv * G * L);
   __m512 qv[G][DV], o[G][DV];
-  for (int64_t i = 0; i < nblk; i++) {
-    prefetch(kv, i + 1);
+  for (int64_t i = 0; i < nblk; i++) {  // the last K block asks for the first V block
+    const KV* next = i + 1 < nblk ? k_at(i + 1) : k_at(0) + a.s_kv;
     for (int64_t kh = 0; kh < a.Hkv; kh++) {
       load_rows<G, DV>(qv, a.q + (b * a.H + kh * G) * D);
-      block_scores<KV, G, DV>(a, qv, kv + table[i] * a.s_block + kh * D, std::min(a.bs, L - i * a.bs),
-                              sc.data() + kh * G * L + i * a.bs, L);
+      block_scores<KV, G, DV>(a, qv, k_at(i) + kh * D, std::min(a.bs, L - i * a.bs), sc.data() + kh * G * L + i * a.bs,
+                              L, next + kh * D);
     }
   }
   softmax_rows(sc.data(), a.Hkv * G, L, bf16);
   float* out = a.out + b * a.H * D;
   std::fill(out, out + a.H * D, 0.f);
   for (int64_t i = 0; i < nblk; i++) {
-    prefetch(kv + a.s_kv, i + 1);
+    const KV* next = i + 1 < nblk ? k_at(i + 1) + a.s_kv : nullptr;
     for (int64_t kh = 0; kh < a.Hkv; kh++) {
       load_rows<G, DV>(o, out + kh * G * D);
-      block_values<KV, G, DV>(a, o, kv + a.s_kv + table[i] * a.s_block + kh * D, std::min(a.bs, L - i * a.bs),
-                              sc.data() + kh * G * L + i * a.bs, L);
+      block_values<KV, G, DV>(a, o, k_at(i) + a.s_kv + kh * D, std::min(a.bs, L - i * a.bs),
+                              sc.data() + kh * G * L + i * a.bs, L, next ? next + kh * D : nullptr);
       store_rows<G, DV>(o, out + kh * G * D);
     }
   }
