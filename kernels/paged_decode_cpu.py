@@ -136,7 +136,7 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
 // Asks for row r of one head in the next block (next: its first row; nullptr: none) while row r of this block is
 // computed. Spread over the rows like this, the next block's loads overlap this block's arithmetic; a whole block
 // asked for at once (96 lines) filled every line-fill buffer and stalled until it arrived, so loads and arithmetic
-// took turns (1.7-1.9x at 8-64 sequences, README). Consecutive blocks of a layer sit a whole block apart (every
+// took turns (1.4-2.6x at 1-64 sequences, README). Consecutive blocks of a layer sit a whole block apart (every
 // layer's K and V in between), past any page the hardware prefetcher would follow.
 template <typename KV, int DV>
 inline void prefetch_row(const KV* next, int64_t r, int64_t row) {
@@ -163,9 +163,9 @@ inline __m512 sum16(const float (*v)[16]) {
 }
 
 // The scaled scores of G query heads (qv: registers) over `rows` consecutive K rows of one head in one block (k: the
-// first row, rows a.Hkv * D apart), into s[g * L + r], asking for the rows of `next` as it goes (prefetch_row). bf16: the products of 16 rows are summed at once (sum16) and
-// rounded to bf16 as the torch path's bf16 GEMM does; float32 keeps one horizontal sum per row (the order the
-// float32 parity tests run on).
+// first row, rows a.Hkv * D apart), into s[g * L + r], asking for the rows of `next` as it goes (prefetch_row).
+// bf16: the products of 16 rows are summed at once (sum16) and rounded to bf16 as the torch path's bf16 GEMM does;
+// float32 keeps one horizontal sum per row (the order the float32 parity tests run on).
 template <typename KV, int G, int DV>
 inline void block_scores(const Args& a, const __m512 (&qv)[G][DV], const KV* k, int64_t rows, float* s, int64_t L,
                          const KV* next) {
@@ -272,8 +272,8 @@ void seq_fixed(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {
     const KV* next = i + 1 < nblk ? k_at(i + 1) : k_at(0) + a.s_kv;
     for (int64_t kh = 0; kh < a.Hkv; kh++) {
       load_rows<G, DV>(qv, a.q + (b * a.H + kh * G) * D);
-      block_scores<KV, G, DV>(a, qv, k_at(i) + kh * D, std::min(a.bs, L - i * a.bs), sc.data() + kh * G * L + i * a.bs,
-                              L, next + kh * D);
+      block_scores<KV, G, DV>(a, qv, k_at(i) + kh * D, std::min(a.bs, L - i * a.bs),
+                              sc.data() + kh * G * L + i * a.bs, L, next + kh * D);
     }
   }
   softmax_rows(sc.data(), a.Hkv * G, L, bf16);
