@@ -28,7 +28,12 @@ NODE=0; [[ "${1:-}" == "--node" ]] && NODE=1
 mkdir -p "$BIN_DIR"
 log() { echo "[k8s-test-bins] $*" >&2; }
 
-export GOFLAGS="-trimpath -buildvcs=false"
+# Go's build and module caches live only for this run: for k8s.io/kubernetes they take ~5 GB, and all that is kept is
+# the binaries (CI runs the suite and then a second fresh install on one disk). -modcacherw lets the cleanup delete them.
+GO_TMP="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-k8s-go.XXXXXX")"
+trap 'rm -rf "$GO_TMP"' EXIT
+export GOCACHE="$GO_TMP/build" GOMODCACHE="$GO_TMP/mod" GOPATH="$GO_TMP/path"
+export GOFLAGS="-trimpath -buildvcs=false -modcacherw"
 export CGO_ENABLED=0
 LDFLAGS="-s -w"
 # What hack/lib/version.sh stamps: without it the binaries report v0.0.0-master and helm's kubeVersion checks fail.
