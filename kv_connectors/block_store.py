@@ -28,6 +28,7 @@ class BlockStore(ABC):
         raise NotImplementedError
 
     direct = False   # True when read_into is implemented
+    put_threads = 1  # how many put_many calls may usefully run at once, each on its own thread (independent writes)
 
     @abstractmethod
     def delete_many(self, hashes: list[bytes]) -> None:

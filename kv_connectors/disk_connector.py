@@ -27,6 +27,8 @@ from pdserve.kv_connectors.store_connector import StoreConnector
 
 class DiskStore(BlockStore):
     direct = True
+    put_threads = max(1, min(4, os.cpu_count() or 1))   # a file per block: writes are independent, and each one is
+    # a copy into the page cache on the calling thread, so a save of many blocks scales with the threads writing it
     _tmp_ids = itertools.count()
 
     def __init__(self, path: str | os.PathLike, fingerprint: str, max_bytes: int = 8 << 30) -> None:

@@ -52,6 +52,7 @@ class StoreSaving(LoadingConnector):
         self._store_down_until = 0.0
         self._pending_save_bytes = 0   # snapshots queued for (or being written by) the writer thread
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
+        self._put_pool: ThreadPoolExecutor | None = None   # the writer's helpers (stores with put_threads > 1)
         self._live_writes: dict[str, int] = {}    # request id -> queued writes reading its live (unsnapshotted) blocks
         self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
 
@@ -173,19 +174,37 @@ class StoreSaving(LoadingConnector):
                 self._pending_save_bytes -= nbytes
 
     def _write(self, request_id: str, hashes: list[bytes], blocks: list[torch.Tensor]) -> None:
+        """Checksum and store the blocks. Where the store takes concurrent puts (``put_threads``), in that many shares
+        on the put threads, each hashing and writing its own blocks: the hashing of one share overlaps the writes of
+        the others, and the writes (copies into the page cache) run side by side."""
+        pairs = list(zip(hashes, blocks))
+        n = min(self.store.put_threads, len(pairs) // 8) if pairs else 0
+        if n > 1:
+            if self._put_pool is None:
+                self._put_pool = ThreadPoolExecutor(self.store.put_threads, thread_name_prefix=f"pdserve-{self.name}-put")
+            step = -(-len(pairs) // n)
+            results = list(self._put_pool.map(self._put, [pairs[i:i + step] for i in range(0, len(pairs), step)]))
+        else:
+            results = [self._put(pairs)]
+        saved = [h for done, _ in results for h in done]
+        if len(saved) < len(pairs):   # a failed share: its blocks are not remembered as saved
+            self.stats.add("kv_saves_skipped", len(pairs) - len(saved))
+            self._mark_down(next(e for _, e in results if e is not None), f"save of request {request_id}")
+        self._remember(saved)
+        self.stats.add("kv_blocks_saved", len(saved))
+        self.stats.add("kv_bytes_saved", len(saved) * self.spec.block_bytes)
+
+    def _put(self, pairs: list[tuple[bytes, torch.Tensor]]) -> tuple[list[bytes], KVLoadError | None]:
+        """One share of :meth:`_write`: (the hashes stored, or none and the store's error)."""
         items = []
-        for h, block in zip(hashes, blocks):
+        for h, block in pairs:
             payload = block_codec.tensor_bytes(block)
             items.append((h, block_codec.encode_header(block, self.fingerprint, h, payload), payload))
         try:
             self.store.put_many(items)
         except KVLoadError as e:
-            self.stats.add("kv_saves_skipped", len(items))
-            self._mark_down(e, f"save of request {request_id}")
-            return
-        self._remember(hashes)
-        self.stats.add("kv_blocks_saved", len(items))
-        self.stats.add("kv_bytes_saved", len(items) * self.spec.block_bytes)
+            return [], e
+        return [h for h, _ in pairs], None
 
     def _remember(self, hashes: list[bytes]) -> None:
         with self._known_lock:
@@ -212,4 +231,6 @@ class StoreSaving(LoadingConnector):
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: queued saves not written at shutdown: %r", self.name, e)
         self._writer.shutdown(wait=False)
+        if self._put_pool is not None:
+            self._put_pool.shutdown(wait=False)
         super().shutdown()

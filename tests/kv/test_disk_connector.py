@@ -10,6 +10,7 @@ import torch
 from pdserve.kv_connectors import block_codec
 from pdserve.kv_connectors.base import create_connector
 from pdserve.kv_connectors.disk_connector import DiskStore
+from pdserve.kv_connectors.load_errors import KVLoadError
 from tests.kv.conftest import BLOCK, SPEC, Req, load, make_cache, prefill, resign, slow_record
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 2))   # 5 full blocks + 2 tokens
@@ -221,3 +222,58 @@ def test_a_load_is_traced_as_verified(tmp_path):
     assert req.kv_transfer["verified"] is True and req.kv_transfer["failed_blocks"] == 0
     p.shutdown()
     d.shutdown()
+
+
+LONG = list(range(300, 300 + 24 * BLOCK + 2))   # 24 full blocks: enough for the save to be split over its put threads
+
+
+def _record_puts(store, fail_at: bytes | None = None) -> list[tuple[str, int]]:
+    """Wrap ``store.put_many`` (the real one still writes): (thread name, records) per call; with ``fail_at``, the call
+    holding that hash writes the records before it, then fails as a full disk does."""
+    calls, real = [], store.put_many
+
+    def put_many(items):
+        calls.append((threading.current_thread().name, len(items)))
+        hashes = [h for h, _, _ in items]
+        if fail_at in hashes:
+            real(items[:hashes.index(fail_at)])
+            raise KVLoadError("disk write failed: [Errno 28] No space left on device")
+        real(items)
+
+    store.put_many = put_many
+    return calls
+
+
+def test_a_long_save_is_hashed_and_written_by_several_threads_and_loads_back_exactly(tmp_path):
+    if DiskStore.put_threads < 2:
+        pytest.skip("one CPU: the disk store writes on the save thread alone")
+    p, d = _pair(tmp_path)
+    calls = _record_puts(p.store)
+    src, dst = list(range(1, 26)), list(range(1, 26))[::-1]
+    params = prefill(p, Req("r", LONG, {"do_remote_decode": True}), src)
+    assert len({name for name, _ in calls}) >= 2 and sum(n for _, n in calls) == 24, calls   # split, every block once
+    assert len(_block_files(tmp_path)) == 24 and p.metrics()["kv_blocks_saved"] == 24
+    res = load(d, Req("r", LONG, params), dst)
+    assert res.num_tokens == 24 * BLOCK and not res.bad_blocks
+    assert all(torch.equal(p.kv_cache[s], d.kv_cache[t]) for s, t in zip(src[:24], dst[:24]))
+
+
+def test_a_share_that_fails_mid_write_cuts_the_prefix_at_its_first_missing_block(tmp_path):
+    """The disk fills up during the first thread's share: the blocks it wrote before the error stay usable, its others
+    count as skipped (never as saved), the store is skipped for a while, and a later load takes the prefix up to the
+    first missing block only (the second share's blocks, though written, lie past the cut and are recomputed)."""
+    if DiskStore.put_threads < 2:
+        pytest.skip("one CPU: the disk store writes on the save thread alone")
+    p, d = _pair(tmp_path, async_load=False)
+    req = Req("a", LONG)
+    calls = _record_puts(p.store, fail_at=req.block_hashes[3])
+    prefill(p, req, list(range(1, 26)))
+    p.flush()
+    shares = sorted(n for _, n in calls)
+    m = p.metrics()
+    assert len(shares) >= 2 and sum(shares) == 24
+    assert m["kv_blocks_saved"] == 24 - shares[-1] and m["kv_saves_skipped"] == shares[-1] and m["kv_store_errors"] == 1
+    assert len(_block_files(tmp_path)) == 24 - shares[-1] + 3
+    res = load(d, Req("b", LONG), list(range(1, 26)))
+    assert (res.num_tokens, res.bad_blocks) == (3 * BLOCK, set())
+    assert all(torch.equal(d.kv_cache[b], p.kv_cache[b]) for b in (1, 2, 3))
