@@ -2,7 +2,8 @@
 
 * Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
   (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background writer
-  thread. A handoff's blocks on CPU are written without the snapshot (live): they stay allocated until every write
+  thread (with helpers where the store takes concurrent puts, ``BlockStore.put_threads``: each hashes and writes a
+  share of a long save). A handoff's blocks on CPU are written without the snapshot (live): they stay allocated until every write
   reading them has ended (``_live_writes``). Snapshots queued beyond ``max_pending_save_bytes`` are dropped and
   counted, so a slow store cannot grow memory without bound. A store that fails is skipped for ``retry_after_s``
   (counted, never fatal).
