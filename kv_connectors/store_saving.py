@@ -3,10 +3,10 @@
 * Saving: the prompt's full blocks are snapshotted (one gather copy) as soon as the engine reports them computed
   (``request_scheduled_for_save``) or at the latest when the request finishes, and written by a background writer
   thread (with helpers where the store takes concurrent puts, ``BlockStore.put_threads``: each hashes and writes a
-  share of a long save). A handoff's blocks on CPU are written without the snapshot (live): they stay allocated until every write
-  reading them has ended (``_live_writes``). Snapshots queued beyond ``max_pending_save_bytes`` are dropped and
-  counted, so a slow store cannot grow memory without bound. A store that fails is skipped for ``retry_after_s``
-  (counted, never fatal).
+  share of a long save). A handoff's blocks on CPU are written without the snapshot (live): they stay allocated until
+  every write reading them has ended (``_live_writes``). Snapshots queued beyond ``max_pending_save_bytes`` are
+  dropped and counted, so a slow store cannot grow memory without bound. A store that fails is skipped for
+  ``retry_after_s`` (counted, never fatal).
 * Handoff (a prefill request with ``do_remote_decode``): the decode side must find every block, so on the handoff
   thread (:mod:`handoff`) the queued writes are let land, then what the store lacks is written; the response's signed
   params are released when that is done, or at ``handoff_timeout_s`` (then the decode side reports the missing
@@ -53,7 +53,8 @@ class StoreSaving(LoadingConnector):
         self._store_down_until = 0.0
         self._pending_save_bytes = 0   # snapshots queued for (or being written by) the writer thread
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}-save")
-        self._put_pool: ThreadPoolExecutor | None = None   # the writer's helpers (stores with put_threads > 1)
+        # the writer's (and the handoff thread's) helpers for stores with put_threads > 1; threads start on first use
+        self._put_pool = ThreadPoolExecutor(4, thread_name_prefix=f"pdserve-{self.name}-put")
         self._live_writes: dict[str, int] = {}    # request id -> queued writes reading its live (unsnapshotted) blocks
         self._held_for_writes: set[str] = set()   # finished requests whose blocks wait for those writes (delay_free)
 
@@ -181,8 +182,6 @@ class StoreSaving(LoadingConnector):
         pairs = list(zip(hashes, blocks))
         n = min(self.store.put_threads, len(pairs) // 8) if pairs else 0
         if n > 1:
-            if self._put_pool is None:
-                self._put_pool = ThreadPoolExecutor(self.store.put_threads, thread_name_prefix=f"pdserve-{self.name}-put")
             step = -(-len(pairs) // n)
             results = list(self._put_pool.map(self._put, [pairs[i:i + step] for i in range(0, len(pairs), step)]))
         else:
@@ -232,6 +231,5 @@ class StoreSaving(LoadingConnector):
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: queued saves not written at shutdown: %r", self.name, e)
         self._writer.shutdown(wait=False)
-        if self._put_pool is not None:
-            self._put_pool.shutdown(wait=False)
+        self._put_pool.shutdown(wait=False)
         super().shutdown()

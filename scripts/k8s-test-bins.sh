@@ -29,7 +29,8 @@ mkdir -p "$BIN_DIR"
 log() { echo "[k8s-test-bins] $*" >&2; }
 
 # Go's build and module caches live only for this run: for k8s.io/kubernetes they take ~5 GB, and all that is kept is
-# the binaries (CI runs the suite and then a second fresh install on one disk). -modcacherw lets the cleanup delete them.
+# the binaries (CI runs the suite and then a second fresh install on one disk). -modcacherw: the cleanup can delete
+# the module cache.
 GO_TMP="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-k8s-go.XXXXXX")"
 trap 'rm -rf "$GO_TMP"' EXIT
 export GOCACHE="$GO_TMP/build" GOMODCACHE="$GO_TMP/mod" GOPATH="$GO_TMP/path"
