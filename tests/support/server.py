@@ -77,12 +77,16 @@ def launch_process(cmd: Sequence[str], port: int, *, host: str = "127.0.0.1", he
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env)
     handle = ServerHandle(proc, host, port, Path(log.name))
+    done = False
     try:
         _wait_healthy(handle, health_path, timeout)
         yield handle
+        done = True
     finally:
         handle.terminate(stop_timeout)
         log.close()
+        if done:   # a block that raised keeps the server's log in the temp dir, for whoever reads the failure
+            os.unlink(log.name)
 
 
 def _wait_healthy(handle: ServerHandle, health_path: str, timeout: float) -> None:
