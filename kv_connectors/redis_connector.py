@@ -3,8 +3,9 @@ prefix cache shared by every pod of a deployment (and as the P/D handoff medium)
 
 Every call has a socket timeout and no client-side retries, so a Redis that is down makes loads fail within about
 ``socket_timeout_s`` (reported as ``peer_unreachable`` or ``timeout`` load errors) and saves be skipped and counted;
-after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 32 blocks) and reads (one round trip per
-load) are pipelined; a read refreshes the block's TTL (GETEX), so hot prefixes stay.
+after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 32 blocks, each SET written as RESP straight
+from the record's header and the block's bytes, no joined copy) and reads (one round trip per load) are pipelined; a
+read refreshes the block's TTL (GETEX), so hot prefixes stay.
 
 Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:password), ``password``, ``username``,
 ``ttl_s`` (3600), ``socket_timeout_s`` (2), ``connect_timeout_s`` (1), ``key_prefix`` ("pdserve:kv:"), and TLS:
@@ -13,7 +14,6 @@ Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:passwor
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import redis
@@ -57,32 +57,42 @@ class RedisStore(BlockStore):
         self.client = redis.Redis.from_url(config["url"], **kwargs)
         self.ttl_s = int(config.get("ttl_s", 3600))
         self.prefix = f"{config.get('key_prefix', 'pdserve:kv:')}{fingerprint}:".encode()
-        self._bufs: list[bytearray] = []
-        self._buf_lock = threading.Lock()
+        self._set_tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl_s)), self.ttl_s)   # a SET's value end, EX
 
     def key(self, h: bytes) -> bytes:
         return self.prefix + h.hex().encode()
 
     def put_many(self, items: list[tuple[bytes, bytes, memoryview]]) -> None:
-        # One whole-record SET per block (readers never see half a record), pipelined in chunks of _CHUNK whose
-        # records are assembled in reused buffers: fresh 700 KB allocations cost more in page faults than the copy.
+        # One whole-record SET per block (readers never see half a record), written as RESP on one pooled connection
+        # straight from each record's header and payload: joining them into one value first cost a copy of every
+        # block, as long as the SETs themselves. Chunks of _CHUNK commands, each chunk's replies read before the next.
+        if not items:
+            return
+        pool, done = self.client.connection_pool, False
         try:
-            with self._buf_lock:
-                for start in range(0, len(items), _CHUNK):
-                    with self.client.pipeline(transaction=False) as pipe:
-                        for j, (h, header, payload) in enumerate(items[start:start + _CHUNK]):
-                            buf = self._buffer(j, len(header) + len(payload))
-                            buf[:len(header)] = header
-                            buf[len(header):] = payload
-                            pipe.set(self.key(h), buf, ex=self.ttl_s)
-                        pipe.execute()
+            conn = pool.get_connection()
         except redis.RedisError as e:
             raise _translate(e) from e
-
-    def _buffer(self, i: int, size: int) -> bytearray:
-        if i >= len(self._bufs) or len(self._bufs[i]) != size:
-            self._bufs[i:i + 1] = [bytearray(size)]
-        return self._bufs[i]
+        try:
+            for start in range(0, len(items), _CHUNK):
+                chunk = items[start:start + _CHUNK]
+                parts: list[bytes | memoryview] = []
+                for i, (h, header, payload) in enumerate(chunk):
+                    key = self.key(h)
+                    parts.append(b"%s*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
+                        self._set_tail if i else b"", len(key), key, len(header) + len(payload), header))
+                    parts.append(payload)
+                parts.append(self._set_tail)
+                conn.send_packed_command(parts, check_health=False)
+                for _ in chunk:
+                    conn.read_response()   # raises the server's error reply (e.g. OOM) as a ResponseError
+            done = True
+        except redis.RedisError as e:
+            raise _translate(e) from e
+        finally:
+            if not done:   # replies may be left unread: never hand a connection back mid-stream
+                conn.disconnect()
+            pool.release(conn)
 
     def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
         try:

@@ -173,3 +173,24 @@ def test_handoff_blocks_stay_allocated_while_a_stuck_writer_reads_them(server):
     p.flush()
     assert p.get_finished()[0] == {"stuck"}
     p.shutdown()
+
+
+def test_a_full_redis_refuses_the_save_cleanly_and_the_store_stays_usable(server):
+    """Redis answers every SET with an error reply (maxmemory reached, noeviction): the save is counted as skipped,
+    never a crash, and the store's next calls work: the connection left with unread replies is dropped, not reused."""
+    admin = redis.Redis.from_url(server.url)
+    p, _ = _pair(server.url, key_prefix="full:")
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        prefill(p, Req("full", PROMPT), IDS)
+        p.flush()
+    finally:
+        admin.config_set("maxmemory", 0)
+    m = p.metrics()
+    assert (m["kv_blocks_saved"], m["kv_saves_skipped"], m["kv_store_errors"]) == (0, 6, 1)
+    assert not admin.keys("full:*")
+    record = p.store.get_many([b"\0" * 32])   # the same store, memory back: a miss, then a write and a read
+    items = [(b"\1" * 32, b"head", memoryview(b"payload" * 1000))]
+    p.store.put_many(items)
+    assert record == [None] and p.store.get_many([b"\1" * 32]) == [b"head" + b"payload" * 1000]
