@@ -3,9 +3,9 @@ prefix cache shared by every pod of a deployment (and as the P/D handoff medium)
 
 Every call has a socket timeout and no client-side retries, so a Redis that is down makes loads fail within about
 ``socket_timeout_s`` (reported as ``peer_unreachable`` or ``timeout`` load errors) and saves be skipped and counted;
-after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 32 blocks, each SET written as RESP straight
-from the record's header and the block's bytes, no joined copy) and reads (one round trip per load) are pipelined; a
-read refreshes the block's TTL (GETEX), so hot prefixes stay.
+after a failure the store is skipped for ``retry_after_s``. Writes (chunks of 32 blocks, each SET written as RESP
+straight from the record's header and the block's bytes, no joined copy) and reads (one round trip per load) are
+pipelined; a read refreshes the block's TTL (GETEX), so hot prefixes stay.
 
 Config: ``url`` (required, ``redis://`` or ``rediss://``; may carry user:password), ``password``, ``username``,
 ``ttl_s`` (3600), ``socket_timeout_s`` (2), ``connect_timeout_s`` (1), ``key_prefix`` ("pdserve:kv:"), and TLS:
