@@ -68,7 +68,7 @@ def _listening(port: int) -> bool:
 
 @pytest.mark.parametrize(("connector", "blocked", "requirement"), [
     ("nixl", "nixl,nixl_cu12", "nixl-cu12>=0.5"),
-    ("redis", "redis", "redis>=5"),
+    ("redis", "redis", "redis>=5.3"),
 ])
 def test_up_names_the_missing_connector_package_before_starting_anything(tmp_path, connector, blocked, requirement):
     done, cache, logs, port = _run_up(tmp_path, blocked, "--kv-connector", connector)
