@@ -180,7 +180,7 @@ class StoreSaving(LoadingConnector):
         on the put threads, each hashing and writing its own blocks: the hashing of one share overlaps the writes of
         the others, and the writes (copies into the page cache) run side by side."""
         pairs = list(zip(hashes, blocks))
-        n = min(self.store.put_threads, len(pairs) // 8) if pairs else 0
+        n = min(self.store.put_threads, len(pairs) // 8)   # shares of 8 blocks or more
         if n > 1:
             step = -(-len(pairs) // n)
             results = list(self._put_pool.map(self._put, [pairs[i:i + step] for i in range(0, len(pairs), step)]))
