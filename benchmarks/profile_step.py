@@ -4,6 +4,8 @@ The engine is the one `pdserve serve` runs (defaults, `--dtype auto`); the scrip
 ``record_function`` ranges (scheduling, metadata, GEMMs, attention, norms, LM head, sampling, scheduler update,
 postprocessing + detokenization) and prints each range's mean ms per step and share of the step. "rope/elementwise"
 is the forward minus its GEMMs, attention and norms: RoPE, residual adds, SwiGLU, embedding and eager dispatch.
+A bf16 CPU step of up to 32 tokens runs its decoder layers in one C++ call (kernels/layer_stack_cpu.py), one range
+("layer stack"); ``--modules`` switches the stack off, to split those layers into the ranges above.
 
     python benchmarks/profile_step.py --seqs 1,32
 """
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-RANGES = ["step", "schedule", "metadata", "forward", "gemm", "attention", "norm", "lm_head", "sampling", "update",
-          "postprocess"]
+RANGES = ["step", "schedule", "metadata", "forward", "layer stack", "gemm", "attention", "norm", "lm_head", "sampling",
+          "update", "postprocess"]
 
 
 def wrap(obj, attr: str, name: str) -> None:
@@ -64,6 +67,7 @@ def instrument(engine) -> None:
             seen.add(id(layer.self_attn.backend))
             wrap(layer.self_attn.backend, "forward", "attention")
     wrap(model.norm, "forward", "norm")
+    wrap(model, "layer_stack", "layer stack")
 
 
 def run(n: int, args) -> dict[str, float]:
@@ -84,7 +88,8 @@ def run(n: int, args) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
-    totals = {e.key: e.cpu_time_total / 1000 / args.steps for e in prof.key_averages() if e.key in RANGES}
+    totals = dict.fromkeys(RANGES, 0.0)
+    totals.update({e.key: e.cpu_time_total / 1000 / args.steps for e in prof.key_averages() if e.key in RANGES})
     llm.shutdown()
     print(f"{n} running sequences, dtype {engine.dtype}, torch threads {torch.get_num_threads()}: "
           f"{totals['step']:.1f} ms/step, {n * 1000 / totals['step']:.1f} tok/s")
@@ -98,14 +103,19 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence (context of the decodes)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: the engine's)")
+    p.add_argument("--modules", action="store_true", help="run the layers' modules (PDSERVE_CPU_LAYER_STACK=0)")
     args = p.parse_args()
+    if args.modules:
+        os.environ["PDSERVE_CPU_LAYER_STACK"] = "0"
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {n: run(n, args) for n in args.seqs}
-    rows = [("GEMMs (qkv, o, gate_up, down)", lambda t: t["gemm"]),
+    rows = [("decoder layers in one C++ call (layer stack)", lambda t: t["layer stack"]),
+            ("GEMMs (qkv, o, gate_up, down)", lambda t: t["gemm"]),
             ("attention (KV write + paged attention)", lambda t: t["attention"]),
             ("RMSNorm", lambda t: t["norm"]),
-            ("rope/elementwise/eager dispatch", lambda t: t["forward"] - t["gemm"] - t["attention"] - t["norm"]),
+            ("rope/elementwise/eager dispatch", lambda t: t["forward"] - t["layer stack"] - t["gemm"] - t["attention"]
+             - t["norm"]),
             ("LM head (GEMM over vocab)", lambda t: t["lm_head"]),
             ("sampling", lambda t: t["sampling"]),
             ("scheduling + metadata", lambda t: t["schedule"] + t["metadata"]),

@@ -247,14 +247,18 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._plan: tuple[AttentionMetadata, StepPlan] | None = None  # every layer of a step shares one plan
 
-    def forward(self, q, k, v, kv_layer, meta, scale):
+    def step_plan(self, meta: AttentionMetadata, kv_layer: torch.Tensor, dtype: torch.dtype) -> StepPlan:
+        """The plan every layer of ``meta``'s step follows, for queries of ``dtype`` (made by the first layer)."""
         if self._plan is None or self._plan[0] is not meta:
-            plan = plan_step(meta, kv_layer.shape[2], q.device, paged=enabled(kv_layer.device, kv_layer.dtype),
-                             paged_prefill=q.dtype == kv_layer.dtype and paged_prefill_cpu.enabled(
+            plan = plan_step(meta, kv_layer.shape[2], kv_layer.device, paged=enabled(kv_layer.device, kv_layer.dtype),
+                             paged_prefill=dtype == kv_layer.dtype and paged_prefill_cpu.enabled(
                                  kv_layer.device, kv_layer.dtype, kv_layer.shape[-1]))
             plan.kv_rows = kv_write_rows(kv_layer, meta.slot_mapping)   # the same rows in every layer's view
             self._plan = (meta, plan)
-        plan, rows = self._plan[1], kv_token_rows(kv_layer)
+        return self._plan[1]
+
+    def forward(self, q, k, v, kv_layer, meta, scale):
+        plan, rows = self.step_plan(meta, kv_layer, q.dtype), kv_token_rows(kv_layer)
         if rows is None:
             self.write_kv(k, v, kv_layer, meta.slot_mapping)
         else:

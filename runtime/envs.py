@@ -99,6 +99,12 @@ def cpu_fused_elementwise() -> bool:
     return _switched_on("PDSERVE_CPU_FUSED_ELEMENTWISE")
 
 
+def cpu_layer_stack() -> bool:
+    """Whether a bf16 CPU step of at most 32 tokens runs its decoder layers as one C++ call (PDSERVE_CPU_LAYER_STACK,
+    default on; ``0`` calls the modules: kernels/layer_stack_cpu.py)."""
+    return _switched_on("PDSERVE_CPU_LAYER_STACK")
+
+
 def linear_method() -> str | None:
     """PDSERVE_LINEAR_METHOD: the quantized linear method every quantized weight must use (``dequant``, ``f32_cpu``,
     ``int4_cpu``, ``int8_cpu``; kernels/linear_*.py); unset: the registry picks per weight, device and dtype."""

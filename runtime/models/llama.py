@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import fused_cpu
+from pdserve.kernels.layer_stack_cpu import LayerStack
 from pdserve.kernels.base import AttentionBackend, AttentionMetadata
 from pdserve.kernels.linear_base import QuantizedWeight, quantized_linear
 
@@ -226,11 +227,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("cos_sin", None, persistent=False)  # (max_model_len, 2, D) float32, set by load_weights
         self.quant_head: nn.Module | None = None  # tied LM head over a quantized embedding (see load_weights)
+        self.layer_stack = LayerStack(self)   # a small bf16 CPU step's layers in one C++ call, where it applies
 
     def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)                                  # (T, hidden)
         cos, sin = self.cos_sin[positions].to(h.dtype).unbind(1)          # 2 x (T, D)
         cos, sin = cos[:, None, :], sin[:, None, :]                       # (T, 1, D): broadcast over heads
+        if (out := self.layer_stack(h, cos, sin, kv_cache, attn_meta)) is not None:
+            return self.norm(out)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[:, i], attn_meta)
         return self.norm(h)

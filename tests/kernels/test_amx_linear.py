@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import amx_linear
 from pdserve.kernels.packed_linear import PackedLinear, pack_linears
-from tests.support.forced_sampler import PROMPTS, agreement, drain, forced_greedy_runs
+from tests.support.forced_sampler import MODULES, PROMPTS, agreement, drain, forced_greedy_runs
 
 BUILD = amx_linear.load_extension()
 needs_amx = pytest.mark.skipif(BUILD is not None, reason=f"kernel not usable here: {BUILD}")
@@ -115,7 +115,7 @@ def greedy_runs():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(amx_linear.AmxLinear, "forward", counted)
         return forced_greedy_runs(
-            [(name, {"PDSERVE_CPU_AMX_LINEAR": amx}, {"dtype": dtype}) for name, dtype, amx in
+            [(name, {"PDSERVE_CPU_AMX_LINEAR": amx, **MODULES}, {"dtype": dtype}) for name, dtype, amx in
              (("onednn", "bfloat16", "0"), ("amx", "bfloat16", "1"), ("f32", "float32", "1"))],
             PROMPTS, 24, probe=lambda: drain(calls), max_model_len=512, num_gpu_blocks=64)
 

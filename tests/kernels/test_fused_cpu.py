@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import fused_cpu
 from pdserve.runtime.models.llama import RMSNorm, rotate_half
-from tests.support.forced_sampler import PROMPTS, agreement, drain, forced_greedy_runs
+from tests.support.forced_sampler import MODULES, PROMPTS, agreement, drain, forced_greedy_runs
 
 BUILD = fused_cpu.load_extension()
 needs_ops = pytest.mark.skipif(BUILD is not None, reason=f"ops not built here: {BUILD}")
@@ -130,7 +130,7 @@ def greedy_runs():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused_cpu, "enabled", lambda *a: (real(*a) and granted.append(1)) or real(*a))
         return forced_greedy_runs(
-            [(name, {"PDSERVE_CPU_FUSED_ELEMENTWISE": fused}, {"dtype": dtype}) for name, dtype, fused in
+            [(name, {"PDSERVE_CPU_FUSED_ELEMENTWISE": fused, **MODULES}, {"dtype": dtype}) for name, dtype, fused in
              (("eager", "bfloat16", "0"), ("fused", "bfloat16", "1"), ("f32", "float32", "1"))],
             PROMPTS, 24, probe=lambda: len(drain(granted)),
             max_model_len=512, num_gpu_blocks=64)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import paged_prefill_cpu
-from tests.support.forced_sampler import agreement, drain, forced_greedy_runs
+from tests.support.forced_sampler import MODULES, agreement, drain, forced_greedy_runs
 
 CPU = torch.device("cpu")
 BUILD = paged_prefill_cpu.load_extension()
@@ -180,7 +180,7 @@ def greedy_runs():
                for i, n in enumerate((40, 90, 150, 200, 250, 280))]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(paged_prefill_cpu, "paged_prefill", lambda *a: calls.append(a[4].tolist()) or real(*a))
-        return forced_greedy_runs([(path, {"PDSERVE_CPU_PREFILL_ATTENTION": path}, {}) for path in ("torch", "paged")],
+        return forced_greedy_runs([(path, {"PDSERVE_CPU_PREFILL_ATTENTION": path, **MODULES}, {}) for path in ("torch", "paged")],
                                   prompts, 16, probe=lambda: drain(calls),
                                   dtype="bfloat16", max_model_len=512, num_gpu_blocks=160, max_num_batched_tokens=64)
 

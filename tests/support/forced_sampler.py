@@ -29,6 +29,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13
            "import numpy as np\n"]
 
 
+# The per-module path, where a test counts calls of a kernel's Python wrapper: a bf16 step of up to 32 tokens otherwise
+# runs its layers in one C++ call (kernels/layer_stack_cpu.py, equal to the modules bit for bit), which calls the same
+# kernels but not their wrappers.
+MODULES = {"PDSERVE_CPU_LAYER_STACK": "0"}
+
+
 def forced_greedy_runs(variants, prompts: list[str], max_tokens: int, probe=lambda: None, **llm_kwargs) -> dict:
     """One engine per ``(name, env, extra LLM kwargs)`` variant, run greedy over ``prompts`` with the first variant's
     tokens forced on the later ones (each records its own top-1 choices).

@@ -1,0 +1,187 @@
+"""A bf16 Llama step's decoder layers on CPU in one C++ call: the same kernels, without Python between them.
+
+:class:`LayerStack` runs, for every layer, exactly the ops the eager modules (runtime/models/llama.py) run on this
+path and in the same order: the fused RMSNorm, the AMX linears, the fused RoPE, the one ``index_copy_`` of the new K/V
+into the cache, the paged prefill and/or paged decode attention kernels, the fused add + RMSNorm and SiLU * up, the
+residual add. The C++ loop calls those ops through torch's dispatcher, so its outputs equal the modules' bit for bit
+(tests/kernels/test_layer_stack_cpu.py); only the Python between them is gone.
+
+Why: a step of a few tokens on this path costs the weights' read plus ~120 kernel calls, and each call from Python
+cost a module call, argument checks and views (~25-40 us a layer, ~1 ms of 17 ms at one running sequence, more under
+load: benchmarks/profile_step.py's "eager dispatch" row); CUDA graphs remove the same cost on GPU.
+
+It serves a step when every layer is the plain bf16 path: AMX linears without bias or LoRA, no q/k norm, the fused ops
+and both paged attention kernels on, the KV rows view of the cache, at most ``amx_linear.MAX_ROWS`` tokens (above, the
+linears switch to oneDNN and the dispatch cost is small next to the work). Otherwise, or with
+``PDSERVE_CPU_LAYER_STACK=0``, the modules run as before. ``steps`` counts the steps it served.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from pdserve.kernels import amx_linear, cpp_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu
+from pdserve.kernels.base import AttentionMetadata, kv_token_rows
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+using OptT = c10::optional<at::Tensor>;
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+struct Ops {  // the kernels' own ops, resolved once (their libraries are loaded before the first call)
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t)> linear =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t)>("pdserve_amx_linear::linear");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double)>
+      rms_norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double)>(
+          "pdserve_fused_cpu::rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rope =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("pdserve_fused_cpu::rope");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
+      op<at::Tensor(const at::Tensor&)>("pdserve_fused_cpu::silu_mul");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      decode = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "pdserve_paged_cpu::decode");
+  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                double)>
+      prefill = op<void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "pdserve_prefill_cpu::prefill");
+};
+
+// h (T, hidden) bf16 through every layer; returns the residual stream after the last (before the final norm).
+// weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down] (linears packed for AMX); dims:
+// [H, Hkv, D, n_qkv, n_o, n_gate_up, n_down]; kv_cache (num_blocks, layers, 2, bs, Hkv, D); kv_idx: the rows of the
+// cache's row view that take this step's K then V; dec_*: the decodes for the paged decode kernel (dec_rows: their rows
+// of q, absent when every row decodes); pf_*: the prefill chunks for the paged prefill kernel.
+at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                   at::TensorList weights, at::IntArrayRef dims, double eps, double scale, const at::Tensor& kv_idx,
+                   const OptT& dec_rows, const OptT& dec_tables, const OptT& dec_lens, const OptT& pf_tables,
+                   const OptT& pf_info) {
+  static const Ops ops;
+  TORCH_CHECK(dims.size() == 7 && kv_cache.dim() == 6 && (int64_t)weights.size() == 6 * kv_cache.size(1),
+              "dims: 7 sizes; weights: 6 per layer of kv_cache");
+  TORCH_CHECK(dec_tables.has_value() == dec_lens.has_value() && pf_tables.has_value() == pf_info.has_value() &&
+              (dec_tables.has_value() || pf_tables.has_value()) &&
+              dec_rows.has_value() == (dec_tables.has_value() && pf_tables.has_value()),
+              "decodes need tables and lens, prefills tables and info; decode rows exactly beside prefills");
+  const int64_t H = dims[0], Hkv = dims[1], D = dims[2], nqkv = dims[3], no = dims[4], ngu = dims[5], nd = dims[6];
+  const int64_t T = h0.size(0), qs = H * D, ks = Hkv * D, L = kv_cache.size(1);
+  const OptT none;
+  at::Tensor h = h0;
+  for (int64_t i = 0; i < L; i++) {
+    const at::Tensor* w = weights.data() + 6 * i;
+    const at::Tensor kv_layer = kv_cache.select(1, i);
+    const int64_t bs = kv_layer.size(2), s0 = kv_layer.stride(0) / ks, s1 = kv_layer.stride(1) / ks;
+    const at::Tensor rows = kv_layer.as_strided({(kv_layer.size(0) - 1) * s0 + s1 + bs, ks}, {ks, 1},
+                                                kv_layer.storage_offset());
+    const at::Tensor x = std::get<0>(ops.rms_norm.call(h, none, w[0], eps));
+    const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv);
+    const at::Tensor v = qkv.slice(1, qs + ks, nqkv).view({T, Hkv, D});
+    const at::Tensor qk = ops.rope.call(qkv.slice(1, 0, qs + ks).view({T, H + Hkv, D}), cos, sin);
+    const at::Tensor q = qk.slice(1, 0, H), k = qk.slice(1, H, H + Hkv);
+    rows.index_copy_(0, kv_idx, at::cat({k, v}).view({2 * T, -1}).to(rows.scalar_type()));
+    at::Tensor o;
+    if (!pf_tables.has_value()) {
+      o = ops.decode.call(q, kv_layer, *dec_tables, *dec_lens, scale);
+    } else {
+      o = at::empty_like(q);
+      ops.prefill.call(q.contiguous(), o, kv_layer, *pf_tables, *pf_info, scale);
+      if (dec_tables.has_value())
+        o.index_copy_(0, *dec_rows, ops.decode.call(q.index_select(0, *dec_rows), kv_layer, *dec_tables, *dec_lens, scale));
+    }
+    const at::Tensor a = ops.linear.call(o.reshape({T, qs}), w[2], none, no);
+    const auto [x2, sum] = ops.rms_norm.call(a, h, w[3], eps);
+    h = sum + ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu)), w[5], none, nd);
+  }
+  return h;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_layer_stack_cpu, m) {
+  m.def("forward(Tensor h, Tensor cos, Tensor sin, Tensor kv_cache, Tensor[] weights, int[] dims, float eps, "
+        "float scale, Tensor kv_idx, Tensor? dec_rows, Tensor? dec_tables, Tensor? dec_lens, Tensor? pf_tables, "
+        "Tensor? pf_info) -> Tensor");
+  m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the op, after the kernels it calls; None when all of them work here,
+    else why not."""
+    for ext in (amx_linear, fused_cpu, paged_decode_cpu, paged_prefill_cpu):
+        if reason := ext.load_extension():
+            return reason
+    return cpp_build.build("pdserve_layer_stack_cpu", SOURCE, ["-O2"], "the CPU layer stack")
+
+
+class LayerStack:
+    """``model``'s decoder layers as one op call where the step allows it (see the module doc); ``steps`` counts them."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.steps = 0
+        self._weights: tuple[Any, list[torch.Tensor]] | None = None   # (the first qkv module, the op's weight list)
+
+    def _weight_list(self) -> list[torch.Tensor] | None:
+        """Every layer's [norm, qkv, o, norm, gate_up, down] tensors, or None unless every layer is the plain path."""
+        layers = self.model.layers
+        first = layers[0].self_attn.qkv_proj
+        if self._weights is not None and self._weights[0] is first:   # quantization / LoRA replace every linear
+            return self._weights[1]
+        out: list[torch.Tensor] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if (attn.q_norm is not None or any(n.dtype != torch.bfloat16 for n in norms)
+                    or any(type(m) is not amx_linear.AmxLinear or m.bias is not None for m in lins)):
+                return None
+            out += [norms[0], lins[0].packed, lins[1].packed, norms[1], lins[2].packed, lins[3].packed]
+        self._weights = (first, out)
+        return out
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The residual stream after the last layer (before the final norm), or None: the modules run this step."""
+        from pdserve.runtime import envs
+
+        if (h.shape[0] > amx_linear.MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu"
+                or not envs.cpu_layer_stack() or not fused_cpu.enabled(h) or load_extension() is not None):
+            return None
+        weights = self._weight_list()
+        layer0 = self.model.layers[0].self_attn
+        backend, kv0 = layer0.backend, kv_cache[:, 0]
+        if weights is None or not hasattr(backend, "step_plan") or kv_token_rows(kv0) is None:
+            return None
+        plan = backend.step_plan(meta, kv0, h.dtype)
+        if plan is None or plan.decode_groups or plan.prefills or not fused_cpu.enabled(cos, 32):
+            return None
+        dec = plan.paged or (None, None, None)
+        pf = plan.paged_prefill or (None, None)
+        a = self.model.args
+        dims = [a.num_heads, a.num_kv_heads, a.head_dim, *(lin.out_features for lin in (
+            layer0.qkv_proj, layer0.o_proj, self.model.layers[0].mlp.gate_up_proj, self.model.layers[0].mlp.down_proj))]
+        if dims[5] % 32:   # SiLU * up's fused op takes halves of whole vectors (the modules then run eager SiLU)
+            return None
+        out = torch.ops.pdserve_layer_stack_cpu.forward(h, cos, sin, kv_cache, weights, dims, a.rms_norm_eps,
+                                                        layer0.scale, plan.kv_rows, *dec, *pf)
+        self.steps += 1
+        return out
