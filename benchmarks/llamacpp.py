@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -26,6 +27,8 @@ VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
 
 def build(version: str = VERSION) -> Path:
     """The cache directory holding bin/llama-server, convert_hf_to_gguf.py and gguf-py (built on first use)."""
+    if importlib.util.find_spec("sentencepiece") is None:   # said before the build, not after it (minutes)
+        raise SystemExit("the llama.cpp baseline's GGUF converter needs sentencepiece: pip install -e '.[bench]'")
     env = {**os.environ, "PYTHON": sys.executable}
     out = subprocess.run(["bash", str(REPO / "scripts" / "build-llama-server.sh"), version], env=env, check=True,
                          stdout=subprocess.PIPE, text=True, timeout=3 * 3600)

@@ -132,7 +132,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
 #ifdef PD_AMX
   const int64_t Mp = (M + 15) / 16 * 16, Kp = kb * 32;
   const uint16_t* a = (const uint16_t*)x.data_ptr();
-  if (Mp != M || Kp != K || !x.is_contiguous()) {  // zero-padded rows and K: whole tiles, no reads past the end
+  // Up to 32 rows (one column block's products at a time, below) of whole K blocks are read in place: the last row
+  // tile is configured with the rows it has (tail), so no load reads past them and the rows need no padded copy.
+  const int tail = Mp <= 32 && Kp == K && x.is_contiguous() ? int(M % 16) : 0;
+  if (!tail && (Mp != M || Kp != K || !x.is_contiguous())) {  // zero-padded rows and K: whole tiles, no reads past the end
     // into this thread's scratch, kept between calls: a fresh buffer a call (plus aten's zeros + copy_) cost 10-50 us
     // of page faults and dispatch per linear at decode's 17-31 rows (benchmarks/cpu_kernels.py --compare-linear)
     static thread_local std::vector<uint16_t> scratch;
@@ -162,7 +165,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
   };
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), nb);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    Tiles amx;
+    Tiles amx = tail ? Tiles(int(Mp / 16 - 1), Mp == 16 ? 4 : 6, tail) : Tiles();   // tiles<1 or 2>'s last row tile
     alignas(64) float c[4 * 256];
     for (int64_t t = t0; t < t1; t++) {
       const int64_t j0 = nb * t / nt, j1 = nb * (t + 1) / nt;
