@@ -1,14 +1,14 @@
 """A bf16 Llama step's decoder layers on CPU in one C++ call: the same kernels, without Python between them.
 
 :class:`LayerStack` runs, for every layer, exactly the ops the eager modules (runtime/models/llama.py) run on this
-path and in the same order: the fused RMSNorm, the AMX linears, the fused RoPE, the one ``index_copy_`` of the new K/V
-into the cache, the paged prefill and/or paged decode attention kernels, the fused add + RMSNorm and SiLU * up, the
-residual add. The C++ loop calls those ops through torch's dispatcher, so its outputs equal the modules' bit for bit
-(tests/kernels/test_layer_stack_cpu.py); only the Python between them is gone.
+path and in the same order: the fused RMSNorm, the AMX linears, the fused RoPE, the new K/V rows copied into the cache
+(as the modules' ``index_copy_`` does), the paged prefill and/or paged decode attention kernels, the fused add +
+RMSNorm and SiLU * up, the residual add. The C++ loop calls those ops through torch's dispatcher, so its outputs equal
+the modules' bit for bit (tests/kernels/test_layer_stack_cpu.py); only the Python between them is gone.
 
 Why: a step of a few tokens on this path costs the weights' read plus ~120 kernel calls, and each call from Python
-cost a module call, argument checks and views (~25-40 us a layer, ~1 ms of 17 ms at one running sequence, more under
-load: benchmarks/profile_step.py's "eager dispatch" row); CUDA graphs remove the same cost on GPU.
+cost a module call, argument checks and views: ~180 us a layer (a decode step at one running sequence, 17.7 ms with
+the modules, 12.1 ms in one call: benchmarks/layer_stack.py). CUDA graphs remove the same cost on GPU.
 
 It serves a step when every layer is the plain bf16 path: AMX linears without bias or LoRA, no q/k norm, the fused ops
 and both paged attention kernels on, the KV rows view of the cache, at most ``amx_linear.MAX_ROWS`` tokens (above, the
@@ -33,6 +33,7 @@ SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -64,6 +65,18 @@ struct Ops {  // the kernels' own ops, resolved once (their libraries are loaded
           "pdserve_prefill_cpu::prefill");
 };
 
+// This step's K then V into the cache's row view: token t's K to row idx[t], its V to row idx[T + t] (what the
+// modules' index_copy_ of the concatenated rows writes, without the concatenated copy). k, v (T, Hkv, D) bf16 views,
+// each token's Hkv * D contiguous; idx checked against the rows once a step.
+void write_kv(const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v, const int64_t* idx, int64_t T) {
+  const int64_t w = rows.size(1);
+  uint16_t* dst = (uint16_t*)rows.data_ptr();
+  for (int64_t t = 0; t < T; t++) {
+    std::memcpy(dst + idx[t] * w, (const uint16_t*)k.data_ptr() + t * k.stride(0), w * 2);
+    std::memcpy(dst + idx[T + t] * w, (const uint16_t*)v.data_ptr() + t * v.stride(0), w * 2);
+  }
+}
+
 // h (T, hidden) bf16 through every layer; returns the residual stream after the last (before the final norm).
 // weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down] (linears packed for AMX); dims:
 // [H, Hkv, D, n_qkv, n_o, n_gate_up, n_down]; kv_cache (num_blocks, layers, 2, bs, Hkv, D); kv_idx: the rows of the
@@ -82,20 +95,26 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
               "decodes need tables and lens, prefills tables and info; decode rows exactly beside prefills");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], nqkv = dims[3], no = dims[4], ngu = dims[5], nd = dims[6];
   const int64_t T = h0.size(0), qs = H * D, ks = Hkv * D, L = kv_cache.size(1);
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.size(4) == Hkv && kv_cache.size(5) == D &&
+              kv_cache.stride(5) == 1 && kv_cache.stride(4) == D && kv_cache.stride(3) == ks &&
+              kv_cache.stride(0) % ks == 0 && kv_cache.stride(2) % ks == 0, "kv_cache: bf16 rows of Hkv * D");
+  TORCH_CHECK(kv_idx.scalar_type() == at::kLong && kv_idx.is_contiguous() && kv_idx.numel() == 2 * T,
+              "kv_idx: int64, a K and a V row for each token");
+  const int64_t* idx = kv_idx.data_ptr<int64_t>();
+  const int64_t num_rows = (kv_cache.size(0) - 1) * (kv_cache.stride(0) / ks) + kv_cache.stride(2) / ks + kv_cache.size(3);
+  for (int64_t t = 0; t < 2 * T; t++) TORCH_CHECK(idx[t] >= 0 && idx[t] < num_rows, "kv_idx: a row outside the cache");
   const OptT none;
   at::Tensor h = h0;
   for (int64_t i = 0; i < L; i++) {
     const at::Tensor* w = weights.data() + 6 * i;
     const at::Tensor kv_layer = kv_cache.select(1, i);
-    const int64_t bs = kv_layer.size(2), s0 = kv_layer.stride(0) / ks, s1 = kv_layer.stride(1) / ks;
-    const at::Tensor rows = kv_layer.as_strided({(kv_layer.size(0) - 1) * s0 + s1 + bs, ks}, {ks, 1},
-                                                kv_layer.storage_offset());
+    const at::Tensor rows = kv_layer.as_strided({num_rows, ks}, {ks, 1}, kv_layer.storage_offset());
     const at::Tensor x = std::get<0>(ops.rms_norm.call(h, none, w[0], eps));
     const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv);
     const at::Tensor v = qkv.slice(1, qs + ks, nqkv).view({T, Hkv, D});
     const at::Tensor qk = ops.rope.call(qkv.slice(1, 0, qs + ks).view({T, H + Hkv, D}), cos, sin);
     const at::Tensor q = qk.slice(1, 0, H), k = qk.slice(1, H, H + Hkv);
-    rows.index_copy_(0, kv_idx, at::cat({k, v}).view({2 * T, -1}).to(rows.scalar_type()));
+    write_kv(rows, k, v, idx, T);
     at::Tensor o;
     if (!pf_tables.has_value()) {
       o = ops.decode.call(q, kv_layer, *dec_tables, *dec_lens, scale);
@@ -164,6 +183,7 @@ class LayerStack:
         from pdserve.runtime import envs
 
         if (h.shape[0] > amx_linear.MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu"
+                or kv_cache.dtype != torch.bfloat16
                 or not envs.cpu_layer_stack() or not fused_cpu.enabled(h) or load_extension() is not None):
             return None
         weights = self._weight_list()
