@@ -19,15 +19,12 @@ linears switch to oneDNN and the dispatch cost is small next to the work). Other
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
 
 from pdserve.kernels import amx_linear, cpp_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu
 from pdserve.kernels.base import AttentionMetadata, kv_token_rows
-
-log = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -46,31 +43,26 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t);
+using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double);
+using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using SiluMul = at::Tensor(const at::Tensor&);
+using Decode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using Prefill = void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+
 struct Ops {  // the kernels' own ops, resolved once (their libraries are loaded before the first call)
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t)> linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t)>("pdserve_amx_linear::linear");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double)>
-      rms_norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double)>(
-          "pdserve_fused_cpu::rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rope =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("pdserve_fused_cpu::rope");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      op<at::Tensor(const at::Tensor&)>("pdserve_fused_cpu::silu_mul");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      decode = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "pdserve_paged_cpu::decode");
-  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                double)>
-      prefill = op<void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "pdserve_prefill_cpu::prefill");
+  c10::TypedOperatorHandle<Linear> linear = op<Linear>("pdserve_amx_linear::linear");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pdserve_fused_cpu::rms_norm");
+  c10::TypedOperatorHandle<Rope> rope = op<Rope>("pdserve_fused_cpu::rope");
+  c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("pdserve_fused_cpu::silu_mul");
+  c10::TypedOperatorHandle<Decode> decode = op<Decode>("pdserve_paged_cpu::decode");
+  c10::TypedOperatorHandle<Prefill> prefill = op<Prefill>("pdserve_prefill_cpu::prefill");
 };
 
-// This step's K then V into the cache's row view: token t's K to row idx[t], its V to row idx[T + t] (what the
-// modules' index_copy_ of the concatenated rows writes, without the concatenated copy). k, v (T, Hkv, D) bf16 views,
-// each token's Hkv * D contiguous; idx checked against the rows once a step.
-void write_kv(const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v, const int64_t* idx, int64_t T) {
-  const int64_t w = rows.size(1);
-  uint16_t* dst = (uint16_t*)rows.data_ptr();
+// This step's K then V into a layer's cache seen as rows of w words from its first element: token t's K to row
+// idx[t], its V to row idx[T + t] (what the modules' index_copy_ of the concatenated rows writes, without the
+// concatenated copy). k, v (T, Hkv, D) bf16 views, each token's Hkv * D contiguous; idx checked once a step.
+void write_kv(uint16_t* dst, int64_t w, const at::Tensor& k, const at::Tensor& v, const int64_t* idx, int64_t T) {
   for (int64_t t = 0; t < T; t++) {
     std::memcpy(dst + idx[t] * w, (const uint16_t*)k.data_ptr() + t * k.stride(0), w * 2);
     std::memcpy(dst + idx[T + t] * w, (const uint16_t*)v.data_ptr() + t * v.stride(0), w * 2);
@@ -108,13 +100,12 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
   for (int64_t i = 0; i < L; i++) {
     const at::Tensor* w = weights.data() + 6 * i;
     const at::Tensor kv_layer = kv_cache.select(1, i);
-    const at::Tensor rows = kv_layer.as_strided({num_rows, ks}, {ks, 1}, kv_layer.storage_offset());
     const at::Tensor x = std::get<0>(ops.rms_norm.call(h, none, w[0], eps));
     const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv);
     const at::Tensor v = qkv.slice(1, qs + ks, nqkv).view({T, Hkv, D});
     const at::Tensor qk = ops.rope.call(qkv.slice(1, 0, qs + ks).view({T, H + Hkv, D}), cos, sin);
     const at::Tensor q = qk.slice(1, 0, H), k = qk.slice(1, H, H + Hkv);
-    write_kv(rows, k, v, idx, T);
+    write_kv((uint16_t*)kv_layer.data_ptr(), ks, k, v, idx, T);
     at::Tensor o;
     if (!pf_tables.has_value()) {
       o = ops.decode.call(q, kv_layer, *dec_tables, *dec_lens, scale);
@@ -157,25 +148,32 @@ class LayerStack:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.steps = 0
-        self._weights: tuple[Any, list[torch.Tensor]] | None = None   # (the first qkv module, the op's weight list)
+        self._plain: tuple[Any, tuple[list[torch.Tensor], list[int]] | None] | None = None   # (first qkv, _scan())
 
-    def _weight_list(self) -> list[torch.Tensor] | None:
-        """Every layer's [norm, qkv, o, norm, gate_up, down] tensors, or None unless every layer is the plain path."""
-        layers = self.model.layers
-        first = layers[0].self_attn.qkv_proj
-        if self._weights is not None and self._weights[0] is first:   # quantization / LoRA replace every linear
-            return self._weights[1]
-        out: list[torch.Tensor] = []
-        for layer in layers:
+    def _plain_layers(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, the op's dims), or None unless every layer is
+        the plain path; scanned again only when the linears were replaced (quantization and LoRA replace them all)."""
+        first = self.model.layers[0].self_attn.qkv_proj
+        if self._plain is None or self._plain[0] is not first:
+            self._plain = (first, self._scan())
+        return self._plain[1]
+
+    def _scan(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        weights: list[torch.Tensor] = []
+        for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if (attn.q_norm is not None or any(n.dtype != torch.bfloat16 for n in norms)
                     or any(type(m) is not amx_linear.AmxLinear or m.bias is not None for m in lins)):
                 return None
-            out += [norms[0], lins[0].packed, lins[1].packed, norms[1], lins[2].packed, lins[3].packed]
-        self._weights = (first, out)
-        return out
+            weights += [norms[0], lins[0].packed, lins[1].packed, norms[1], lins[2].packed, lins[3].packed]
+        a, l0 = self.model.args, self.model.layers[0]
+        dims = [a.num_heads, a.num_kv_heads, a.head_dim, *(m.out_features for m in (
+            l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj))]
+        if dims[5] % 32 or a.head_dim % 32:   # the fused SiLU * up and RoPE take halves of whole vectors (else eager)
+            return None
+        return weights, dims
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:
@@ -186,22 +184,16 @@ class LayerStack:
                 or kv_cache.dtype != torch.bfloat16
                 or not envs.cpu_layer_stack() or not fused_cpu.enabled(h) or load_extension() is not None):
             return None
-        weights = self._weight_list()
-        layer0 = self.model.layers[0].self_attn
-        backend, kv0 = layer0.backend, kv_cache[:, 0]
-        if weights is None or not hasattr(backend, "step_plan") or kv_token_rows(kv0) is None:
+        plain = self._plain_layers()
+        attn0 = self.model.layers[0].self_attn
+        backend, kv0 = attn0.backend, kv_cache[:, 0]
+        if plain is None or not hasattr(backend, "step_plan") or kv_token_rows(kv0) is None:
             return None
         plan = backend.step_plan(meta, kv0, h.dtype)
-        if plan is None or plan.decode_groups or plan.prefills or not fused_cpu.enabled(cos, 32):
+        if plan.decode_groups or plan.prefills:   # torch fallbacks the kernels do not serve
             return None
-        dec = plan.paged or (None, None, None)
-        pf = plan.paged_prefill or (None, None)
-        a = self.model.args
-        dims = [a.num_heads, a.num_kv_heads, a.head_dim, *(lin.out_features for lin in (
-            layer0.qkv_proj, layer0.o_proj, self.model.layers[0].mlp.gate_up_proj, self.model.layers[0].mlp.down_proj))]
-        if dims[5] % 32:   # SiLU * up's fused op takes halves of whole vectors (the modules then run eager SiLU)
-            return None
-        out = torch.ops.pdserve_layer_stack_cpu.forward(h, cos, sin, kv_cache, weights, dims, a.rms_norm_eps,
-                                                        layer0.scale, plan.kv_rows, *dec, *pf)
+        out = torch.ops.pdserve_layer_stack_cpu.forward(h, cos, sin, kv_cache, *plain, self.model.args.rms_norm_eps,
+                                                        attn0.scale, plan.kv_rows, *(plan.paged or (None,) * 3),
+                                                        *(plan.paged_prefill or (None,) * 2))
         self.steps += 1
         return out
