@@ -35,6 +35,8 @@ PREFILL_STEPS = {  # name: (new tokens, whole length) of each sequence of one st
     "1 prompt of 64": ([64], [64]), "1 prompt of 340": ([340], [340]), "1 prompt of 650": ([650], [650]),
     "1 prompt of 2,048": ([2048], [2048]), "256-token chunk after 394 cached": ([256], [650]),
     "24 new tokens after 1,000 cached": ([24], [1024]),
+    "32 new tokens after 992 cached (ttft-prefix)": ([32], [1024]),
+    "4 chunks after cached prefixes (one step)": ([5, 1, 17, 3], [900, 40, 17, 300]),
     "8 prompts of 30-650 (one step)": ([30, 90, 170, 250, 330, 410, 490, 650],) * 2}
 
 

@@ -5,14 +5,15 @@ Every prefill chunk of a step in one call: sequence ``s``'s ``q_len`` new querie
 cache ``kv_layer (num_blocks, 2, block_size, Hkv, D)``, query ``i`` sitting at position ``seq_len - q_len + i`` (so a
 chunk that continues a cached prefix needs no mask tensor and no gathered copy of the context).
 
-How: per (sequence, KV head), K and V are first repacked once into the pair-interleaved layout AMX's ``tdpbf16ps``
-takes (zero-padded to 64 keys; K by 16 x 16-word register transposes, V by interleaving rows in pairs; 64-key chunks
-dealt to the threads). Then tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans heads
-and positions) run an online softmax over 64-key chunks: S = Q K^T on AMX tiles, the float32 softmax on AVX-512 (the
-16 rows' maxima and sums reduced together through a transpose; masks only at the diagonal), P (rounded to bf16, as
-torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per chunk; chunks past a tile's last position are
-skipped. Tiles are dealt round-robin to torch's threads, so a long causal sequence's
-costly late tiles are shared. Each thread puts back the tile configuration it found (oneDNN's GEMMs use AMX too).
+How: the step's tiles of 16 query rows (the G heads of a KV head share its K/V, so a tile spans heads and
+positions) are split into contiguous runs of equal cost, one per thread. A thread takes its run one (sequence, KV
+head) at a time: it repacks the K/V chunks its tiles there reach into the pair-interleaved layout AMX's ``tdpbf16ps``
+takes (zero-padded to 64 keys; K by 16 x 16-word register transposes, V by interleaving rows in pairs), into a buffer
+of its own that stays in its core's cache, then runs those tiles: an online softmax over 64-key chunks, S = Q K^T on
+AMX tiles, the float32 softmax on AVX-512 (the 16 rows' maxima and sums reduced together through a transpose; masks
+only at the diagonal), P (rounded to bf16, as torch's bf16 SDPA does) times V on AMX tiles, float32 sums rescaled per
+chunk; chunks past a tile's last position are skipped. Each thread puts back the tile configuration it found
+(oneDNN's GEMMs use AMX too).
 
 Why: torch's CPU SDPA ran these shapes (head_dim 64, GQA, a few hundred tokens) at 30-120 GFLOP/s, and a chunk that
 continues a cached prefix also paid a gathered copy of its context and a mask tensor per layer; prefill attention was
@@ -240,43 +241,72 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
   }
 }
 
+// The step's work: its tiles in (sequence, KV head) order, each costing the 64-key chunks it visits, and each pair's
+// repacking (kPackCost tile chunks a chunk; 1, 2 and 4 timed alike). Each thread takes a contiguous run (the least
+// maximum cost over at most nt runs) and, one pair at a time, repacks the chunks its tiles there reach into its own
+// buffer (kept between calls, sized for one pair: 256 bytes a token), then runs those tiles; a pair split between two
+// runs is repacked by both. So no core reads K/V another core repacked and there is no barrier: dealing chunks and
+// tiles to the threads round-robin, with a barrier between, made 32 new tokens over 992 cached ~1.3x slower. A
+// tile's arithmetic does not depend on its thread: the same bits either way (tests/kernels/test_paged_prefill_cpu.py).
+constexpr int64_t kPackCost = 2;
+
 void run(const Args& a, std::vector<Seq>& seqs) {
   constexpr int D = 64, R = 16;
-  std::vector<std::pair<int64_t, int64_t>> packs, tiles;  // (seq, kv head); (seq * Hkv + kv head, first row)
+  struct Work { int64_t pair, f0, nc; };   // pair = seq * Hkv + KV head; nc: the chunks its rows' positions reach
+  std::vector<Work> work;
+  std::vector<int64_t> cost{0};   // cost[i]: the cost of work[0 .. i), a pair's repacking counted at its first tile
   for (int64_t s = 0; s < (int64_t)seqs.size(); s++)
-    for (int64_t kh = 0; kh < a.Hkv; kh++) {
-      packs.emplace_back(s, kh);
-      for (int64_t f0 = 0; f0 < seqs[s].q_len * a.G; f0 += R) tiles.emplace_back(s * a.Hkv + kh, f0);
-    }
-  int64_t words = 0;
-  for (const Seq& s : seqs) words += chunks(s.len) * 64 * D * a.Hkv;  // K and V: len * D / 2 words each
-  std::unique_ptr<uint32_t, decltype(&std::free)> buf((uint32_t*)std::aligned_alloc(64, words * 4), &std::free);  // whole lines
-  TORCH_CHECK(buf, "out of memory for the packed K/V");
-  std::vector<Seq> per(packs.size());
-  int64_t off = 0;
-  for (size_t i = 0; i < packs.size(); i++) {
-    per[i] = seqs[packs[i].first];
-    const int64_t n = chunks(per[i].len) * 32 * D;
-    per[i].k = buf.get() + off; per[i].v = buf.get() + off + n; off += 2 * n;
-  }
-  std::vector<std::pair<int64_t, int64_t>> chunk_items;  // (pack, 64-key chunk)
-  for (size_t i = 0; i < per.size(); i++)
-    for (int64_t c = 0; c < chunks(per[i].len); c++) chunk_items.emplace_back(i, c);
-  const int64_t nt = at::get_num_threads();
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {  // round-robin: neighbours cost alike
-    for (int64_t t = t0; t < t1; t++)
-      for (size_t i = t; i < chunk_items.size(); i += nt) {
-        const auto [p, c] = chunk_items[i];
-        pack<D>(a, per[p], packs[p].second, c);
+    for (int64_t kh = 0; kh < a.Hkv; kh++)
+      for (int64_t f0 = 0; f0 < seqs[s].q_len * a.G; f0 += R) {
+        const Seq& q = seqs[s];
+        const int64_t last = std::min(f0 + R, q.q_len * a.G) - 1, nc = (q.len - q.q_len + last / a.G) / 64 + 1;
+        work.push_back({s * a.Hkv + kh, f0, nc});
+        cost.push_back(cost.back() + nc + (f0 == 0 ? kPackCost * chunks(q.len) : 0));
       }
-  });
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+  // Contiguous runs, none costing more than C (a run that starts inside a pair also repacks it), for the least C
+  // that needs at most nt runs.
+  const int64_t nt = at::get_num_threads();
+  std::vector<size_t> first;   // run r is work[first[r] .. first[r + 1])
+  auto split = [&](int64_t C) {
+    first.assign(1, 0);
+    while (first.back() < work.size() && (int64_t)first.size() <= nt) {
+      const size_t i = first.back();
+      const int64_t dup = work[i].f0 ? kPackCost * chunks(seqs[work[i].pair / a.Hkv].len) : 0;
+      const size_t j = std::upper_bound(cost.begin() + i + 1, cost.end(), cost[i] + C - dup) - cost.begin() - 1;
+      first.push_back(std::max(j, i + 1));
+    }
+    return first.back() == work.size();
+  };
+  int64_t lo = 1, hi = cost.back();
+  while (lo < hi) {
+    const int64_t C = (lo + hi) / 2;
+    if (split(C)) hi = C; else lo = C + 1;
+  }
+  split(lo);
+  const int64_t runs = (int64_t)first.size() - 1;
+  at::parallel_for(0, runs, 1, [&](int64_t t0, int64_t t1) {
     FlushDenormals ftz;
     Tiles amx;
     Scratch w;
+    static thread_local std::unique_ptr<uint32_t, decltype(&std::free)> buf(nullptr, &std::free);
+    static thread_local int64_t words = 0;
     for (int64_t t = t0; t < t1; t++)
-      for (size_t i = t; i < tiles.size(); i += nt)
-        tile(a, per[tiles[i].first], tiles[i].first % a.Hkv, tiles[i].second, w);
+      for (size_t i = first[t]; i < first[t + 1];) {
+        const int64_t pair = work[i].pair;
+        size_t end = i;
+        int64_t nc = 0;   // non-decreasing along a pair's tiles: the last one's
+        for (; end < first[t + 1] && work[end].pair == pair; end++) nc = work[end].nc;
+        Seq s = seqs[pair / a.Hkv];
+        const int64_t n = chunks(s.len) * 32 * D;   // K and V: whole 64-key chunks of len * D / 2 words each
+        if (2 * n > words) {
+          buf.reset((uint32_t*)std::aligned_alloc(64, 2 * n * 4));   // whole cache lines
+          TORCH_CHECK(buf, "out of memory for the packed K/V");
+          words = 2 * n;
+        }
+        s.k = buf.get(); s.v = buf.get() + n;
+        for (int64_t c = 0; c < nc; c++) pack<D>(a, s, pair % a.Hkv, c);
+        for (; i < end; i++) tile(a, s, pair % a.Hkv, work[i].f0, w);
+      }
   });
 }
 #endif

@@ -103,6 +103,30 @@ def test_a_rows_output_does_not_depend_on_how_the_prompt_is_split(threads):
         torch.set_num_threads(before)
 
 
+
+@needs_kernel
+def test_the_threads_split_of_the_work_changes_no_bit():
+    """Each thread takes a contiguous run of the step's tiles and repacks the K/V its run reads into a buffer of its
+    own, kept between calls: with 1 to 8 threads (runs that split a (sequence, KV head) pair between threads, and
+    more threads than tiles), steps alternating long and short contexts (a buffer grown, then reused), every output is
+    the 1-thread output's bits, and that one is checked against float64."""
+    steps = [[(32, 1024)], [(2, 2)], [(300, 300), (24, 1000), (1, 70), (17, 17)], [(5, 5), (3, 200)], [(1, 1)]]
+    cases = [_case(9, 3, chunks, seed=i) for i, chunks in enumerate(steps)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = [_run(*case) for case in cases]
+        for (q, kv, tables, info), out in zip(cases, single):
+            for r0, want in _reference(q, kv, tables, info, 0.125).items():
+                got = out[r0:r0 + want.shape[0]].double()
+                assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
+        for threads in (2, 3, 5, 8):
+            torch.set_num_threads(threads)
+            for case, want in zip(cases, single):
+                assert torch.equal(_run(*case), want), (threads, case[3].tolist())
+    finally:
+        torch.set_num_threads(before)
+
 @needs_kernel
 def test_no_worse_than_torch_sdpa_in_bf16():
     """The same inputs through torch's bf16 SDPA: the kernel's error vs float64 is of the same size."""
