@@ -108,19 +108,34 @@ def decode(seqs: int, context: int, repeat: int) -> tuple[float, float]:
 
 
 def kernel_of(ref: str, module: str, library: str, op: str, needs: tuple[str, ...] = ()):
-    """The kernel of git revision ``ref`` (``kernels/<module>.py`` there, torch library ``library``, compiled with the
-    CPU flags ``needs``), built under its own library name next to this tree's: its ``op``."""
+    """The kernel of git revision ``ref`` (``kernels/<module>.py`` there, with that revision's
+    ``kernels/cpu_simd.py`` helpers, torch library ``library``, compiled with the CPU flags ``needs``), built under its
+    own library name next to this tree's: its ``op``."""
     import subprocess
+    import sys
     import types
     from pathlib import Path
 
     from pdserve.kernels import cpp_build
 
     root = Path(__file__).resolve().parents[1]
-    text = subprocess.run(["git", "show", f"{ref}:kernels/{module}.py"], cwd=root, check=True,
-                          capture_output=True, text=True).stdout
-    code = types.ModuleType(f"{module}_at_ref")
-    exec(compile(text, f"{ref}:kernels/{module}.py", "exec"), code.__dict__)
+
+    def at_ref(name: str) -> types.ModuleType:
+        text = subprocess.run(["git", "show", f"{ref}:kernels/{name}.py"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        code = types.ModuleType(f"{name}_at_ref")
+        exec(compile(text, f"{ref}:kernels/{name}.py", "exec"), code.__dict__)
+        return code
+
+    helpers, ours = "pdserve.kernels.cpu_simd", sys.modules.get("pdserve.kernels.cpu_simd")
+    sys.modules[helpers] = at_ref("cpu_simd")   # what ``from pdserve.kernels.cpu_simd import ...`` finds there
+    try:
+        code = at_ref(module)
+    finally:
+        if ours is None:
+            sys.modules.pop(helpers)
+        else:
+            sys.modules[helpers] = ours
     name = f"{library}_ref"
     if reason := cpp_build.build(name, code.SOURCE.replace(library, name), cpp_build.simd_cflags(needs),
                                  f"{module} of {ref}"):

@@ -72,8 +72,8 @@ void tiles(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kb, float*
   if constexpr (MT > 3) _tile_stored(3, c + 768, 64);
 }
 
-// Many rows: C tiles (rows 0-15, 16-31) x (column blocks b0, b1) += 32 rows of A x two column blocks' B tiles, so each
-// K step loads four tiles for four products.
+// 17 or more rows: C tiles (rows 0-15, 16-31) x (column blocks b0, b1) += 32 rows of A x two column blocks' B tiles, so
+// each K step loads four tiles for four products (tiles<2> per column block: six loads).
 void tiles22(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t kb, float* c) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t k = 0; k < kb; k++) {
@@ -87,6 +87,19 @@ void tiles22(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t*
     _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+
+// tiles22 for one column block (an odd one left over), on tiles22's tile numbers: C tiles 0 (rows 0-15), 2 (16-31).
+void tiles21(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t kb, float* c) {
+  _tile_zero(0); _tile_zero(2);
+  for (int64_t k = 0; k < kb; k++) {
+    _tile_loadd(4, a + k * 32, lda * 2);
+    _tile_loadd(6, b0 + k * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * lda + k * 32, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+  }
+  _tile_stored(0, c, 64); _tile_stored(2, c + 512, 64);
 }
 #endif
 
@@ -132,8 +145,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
 #ifdef PD_AMX
   const int64_t Mp = (M + 15) / 16 * 16, Kp = kb * 32;
   const uint16_t* a = (const uint16_t*)x.data_ptr();
-  // Up to 32 rows (one column block's products at a time, below) of whole K blocks are read in place: the last row
-  // tile is configured with the rows it has (tail), so no load reads past them and the rows need no padded copy.
+  // Up to 32 rows of whole K blocks are read in place: the last row tile is configured with the rows it has (tail),
+  // so no load reads past them and the rows need no padded copy.
   const int tail = Mp <= 32 && Kp == K && x.is_contiguous() ? int(M % 16) : 0;
   if (!tail && (Mp != M || Kp != K || !x.is_contiguous())) {  // zero-padded rows and K: whole tiles, no reads past the end
     // into this thread's scratch, kept between calls: a fresh buffer a call (plus aten's zeros + copy_) cost 10-50 us
@@ -165,12 +178,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
   };
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), nb);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    Tiles amx = tail ? Tiles(int(Mp / 16 - 1), Mp == 16 ? 4 : 6, tail) : Tiles();   // tiles<1 or 2>'s last row tile
+    // the last row tile's C and A tiles: tiles<1>'s, or (17-31 rows) tiles22's and tiles21's
+    Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 4, tail) : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
     alignas(64) float c[4 * 256];
     for (int64_t t = t0; t < t1; t++) {
       const int64_t j0 = nb * t / nt, j1 = nb * (t + 1) / nt;
       int64_t j = j0;
-      if (Mp > 32)   // each column block pair is read from L1/L2 once per 32 rows
+      if (Mp >= 32)   // each column block pair is read from L1/L2 once per 32 rows
         for (; j + 1 < j1; j += 2)
           for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
             if (Mp - m0 < 32) {
@@ -182,6 +196,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
             tiles22(a + m0 * Kp, Kp, b + j * kb * 512, b + (j + 1) * kb * 512, kb, c);
             store(c, m0, j); store(c + 256, m0, j + 1); store(c + 512, m0 + 16, j); store(c + 768, m0 + 16, j + 1);
           }
+      if (Mp == 32)
+        for (; j < j1; j++) { tiles21(a, Kp, b + j * kb * 512, kb, c); store(c, 0, j); store(c + 512, 16, j); }
       for (; j < j1; j++)   // few rows: each column block is streamed from memory once
         for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
           const int64_t mt = std::min<int64_t>(4, (Mp - m0) / 16);

@@ -50,16 +50,16 @@ struct FlushDenormals {
 
 AMX_HELPERS = r"""
 // AMX tiles for one thread: every tile 16 rows of 64 bytes (16 x 32 bf16 as pairs for A and B, 16 x 16 floats
-// for C), but tiles c and a with ``rows`` rows when given (a product's C and A tiles: loads and stores then touch only
-// those rows). Whatever configuration the thread had (oneDNN's) is put back afterwards.
+// for C), but the tiles in ``short_tiles`` (bit i: tile i) with ``rows`` rows (a product's last C and A row tiles:
+// loads and stores then touch only those rows). Whatever configuration the thread had (oneDNN's) is put back
+// afterwards.
 struct Tiles {
   struct Config { uint8_t palette = 1, start = 0, pad[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
   alignas(64) Config saved;
-  explicit Tiles(int c = 0, int a = 0, int rows = 16) {
+  explicit Tiles(unsigned short_tiles = 0, int rows = 16) {
     _tile_storeconfig(&saved);
     Config cfg;
-    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-    if (c >= 0 && c < 8 && a >= 0 && a < 8) cfg.rows[c] = cfg.rows[a] = (uint8_t)rows;   // only tiles 0-7 exist
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = (short_tiles >> i) & 1 ? (uint8_t)rows : 16; }
     _tile_loadconfig(&cfg);
   }
   ~Tiles() { if (saved.palette) _tile_loadconfig(&saved); else _tile_release(); }

@@ -1,6 +1,6 @@
 """The AMX bf16 linear kernel (kernels/amx_linear.py) against float64 and oneDNN's packed linear on the same inputs,
-over both of its paths (up to 32 rows: four row tiles per column block; more: 2 x 2 tiles per column block pair) and
-every padding (rows, K, columns, an odd number of column blocks per thread): bit-equal to oneDNN up to 32 rows, where
+over all of its paths (up to 16 rows: one row tile per column block; more: 2 x 2 tiles per column block pair, an odd
+block left over alone; 17-31 rows read in place, the last row tile short) and every padding (rows, K, columns, an odd number of column blocks per thread): bit-equal to oneDNN up to 32 rows, where
 the engine uses it; bad shapes are errors; the bf16 engine packs every dense linear for it (``PDSERVE_CPU_AMX_LINEAR=0``
 keeps oneDNN, float32 neither), runs its decode steps on it and its greedy choices agree with oneDNN's,
 teacher-forced."""
@@ -25,8 +25,8 @@ def _bf16(*shape, seed=0, scale=1.0):
 
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m,n,k", [(1, 72, 40), (5, 960, 576), (16, 576, 1536), (17, 100, 576), (33, 100, 576),
-                                   (64, 3072, 576), (65, 112, 64), (130, 49152, 576)])
+@pytest.mark.parametrize("m,n,k", [(1, 72, 40), (5, 960, 576), (16, 576, 1536), (17, 100, 576), (24, 48, 1536),
+                                   (31, 112, 64), (32, 100, 576), (33, 100, 576), (64, 3072, 576), (65, 112, 64), (130, 49152, 576)])
 def test_kernel_matches_float64_and_onednn(m, n, k, threads):
     """The kernel itself, at any row count: within a bf16 rounding of the exact product; oneDNN's output but for a
     few elements (none up to 32 rows, where ``AmxLinear`` uses it: its output is oneDNN's, bit for bit)."""
