@@ -3,7 +3,8 @@
 :class:`LayerStack` runs, for every layer, exactly the ops the eager modules (runtime/models/llama.py) run on this
 path and in the same order: the fused RMSNorm, the AMX linears, the fused RoPE, the new K/V rows copied into the cache
 (as the modules' ``index_copy_`` does), the paged prefill and/or paged decode attention kernels, the fused add +
-RMSNorm and SiLU * up, the residual add. The C++ loop calls those ops through torch's dispatcher, so its outputs equal
+RMSNorm and SiLU * up, the residual add (fused into the next layer's input RMSNorm, which adds as the eager add
+does: the same bits). The C++ loop calls those ops through torch's dispatcher, so its outputs equal
 the modules' bit for bit (tests/kernels/test_layer_stack_cpu.py); only the Python between them is gone.
 
 Why: a step of a few tokens on this path costs the weights' read plus ~120 kernel calls, and each call from Python
@@ -96,11 +97,12 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
   const int64_t num_rows = (kv_cache.size(0) - 1) * (kv_cache.stride(0) / ks) + kv_cache.stride(2) / ks + kv_cache.size(3);
   for (int64_t t = 0; t < 2 * T; t++) TORCH_CHECK(idx[t] >= 0 && idx[t] < num_rows, "kv_idx: a row outside the cache");
   const OptT none;
-  at::Tensor h = h0;
+  at::Tensor h = h0, mlp;   // mlp: the previous layer's MLP output, added to h by this layer's fused add + RMSNorm
   for (int64_t i = 0; i < L; i++) {
     const at::Tensor* w = weights.data() + 6 * i;
     const at::Tensor kv_layer = kv_cache.select(1, i);
-    const at::Tensor x = std::get<0>(ops.rms_norm.call(h, none, w[0], eps));
+    at::Tensor x;
+    std::tie(x, h) = i ? ops.rms_norm.call(mlp, h, w[0], eps) : ops.rms_norm.call(h, none, w[0], eps);
     const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv);
     const at::Tensor v = qkv.slice(1, qs + ks, nqkv).view({T, Hkv, D});
     const at::Tensor qk = ops.rope.call(qkv.slice(1, 0, qs + ks).view({T, H + Hkv, D}), cos, sin);
@@ -116,10 +118,11 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
         o.index_copy_(0, *dec_rows, ops.decode.call(q.index_select(0, *dec_rows), kv_layer, *dec_tables, *dec_lens, scale));
     }
     const at::Tensor a = ops.linear.call(o.reshape({T, qs}), w[2], none, no);
-    const auto [x2, sum] = ops.rms_norm.call(a, h, w[3], eps);
-    h = sum + ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu)), w[5], none, nd);
+    at::Tensor x2;
+    std::tie(x2, h) = ops.rms_norm.call(a, h, w[3], eps);
+    mlp = ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu)), w[5], none, nd);
   }
-  return h;
+  return h + mlp;
 }
 }  // namespace
 
