@@ -113,7 +113,7 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
       o = ops.decode.call(q, kv_layer, *dec_tables, *dec_lens, scale);
     } else {
       o = at::empty_like(q);
-      ops.prefill.call(q.contiguous(), o, kv_layer, *pf_tables, *pf_info, scale);
+      ops.prefill.call(q, o, kv_layer, *pf_tables, *pf_info, scale);
       if (dec_tables.has_value())
         o.index_copy_(0, *dec_rows, ops.decode.call(q.index_select(0, *dec_rows), kv_layer, *dec_tables, *dec_lens, scale));
     }

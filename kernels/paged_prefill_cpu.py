@@ -61,7 +61,7 @@ namespace {
 """ + AVX512_HELPERS + AMX_HELPERS + r"""
 
 struct Seq { int64_t q0, q_len, len; const int64_t* table; uint32_t* k; uint32_t* v; };  // k, v: its packed K/V
-struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv; float scale; };
+struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv, s_q; float scale; };
 
 // a * b rounded: an op g++ does not contract with a following add into an FMA (it does with _mm512_mul_ps's).
 inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -148,7 +148,7 @@ void tile(const Args& a, const Seq& s, int64_t kh, int64_t f0, Scratch& w) {
   __m512 vm = _mm512_set1_ps(-INFINITY), vl = _mm512_setzero_ps();  // lane r: row r's running max and sum
   for (int r = 0; r < 16; r++) {
     const int64_t f = std::min(f0 + r, nf - 1), i = f / a.G, g = f % a.G;
-    std::memcpy(w.q[r], a.q + ((s.q0 + i) * a.H + kh * a.G + g) * D, D * 2);
+    std::memcpy(w.q[r], a.q + (s.q0 + i) * a.s_q + (kh * a.G + g) * D, D * 2);
     pos[r] = s.len - s.q_len + i;  // non-decreasing in r
     for (int j = 0; j < D / 16; j++) _mm512_store_ps(w.o[r] + 16 * j, _mm512_setzero_ps());
   }
@@ -319,11 +319,13 @@ bool available() {
 #endif
 }
 
-// q, out (T, H, D) bf16; info (S, 3) int64 rows (first row, q_len, seq_len); tables (S, nb) int64.
+// q, out (T, H, D) bf16 (q: each row's H * D contiguous, e.g. a view of the fused q/k/v); info (S, 3) int64 rows
+// (first row, q_len, seq_len); tables (S, nb) int64.
 void prefill(const at::Tensor& q, at::Tensor out, const at::Tensor& kv_layer, const at::Tensor& tables,
              const at::Tensor& info, double scale) {
   TORCH_CHECK(available(), "the paged prefill kernel needs AMX-BF16 (built with it, granted by the kernel)");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: contiguous bf16 (T, H, D)");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: bf16 (T, H, D), each row's H * D contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(), "out: like q");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.scalar_type() == at::kBFloat16, "kv_layer: bf16 (num_blocks, 2, bs, Hkv, D)");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), bs = kv_layer.size(2), Hkv = kv_layer.size(3);
@@ -347,7 +349,7 @@ void prefill(const at::Tensor& q, at::Tensor out, const at::Tensor& kv_layer, co
   }
 #ifdef PD_AVX512
   const Args a{(const uint16_t*)q.data_ptr(), (uint16_t*)out.data_ptr(), (const uint16_t*)kv_layer.data_ptr(),
-               H, Hkv, H / Hkv, bs, kv_layer.stride(0), kv_layer.stride(1), float(scale)};
+               H, Hkv, H / Hkv, bs, kv_layer.stride(0), kv_layer.stride(1), q.stride(0), float(scale)};
   TORCH_CHECK(D == 64, "head_dim must be 64");
   run(a, seqs);
 #endif
@@ -382,8 +384,11 @@ def enabled(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
                   info: torch.Tensor, scale: float) -> None:
-    """Writes the causal attention of each sequence's new queries into its rows of ``out``: q, out (T, H, D) bf16 and
-    contiguous; ``info`` (S, 3) int64 rows (first row, q_len, seq_len); ``tables`` (S, nb) int64 block ids."""
+    """Writes the causal attention of each sequence's new queries into its rows of ``out``: q, out (T, H, D) bf16, out
+    contiguous, q read in place where each row's H * D is (the RoPE output's q view), else copied; ``info`` (S, 3)
+    int64 rows (first row, q_len, seq_len); ``tables`` (S, nb) int64 block ids."""
     if reason := load_extension():
         raise RuntimeError(reason)
+    if q.dim() == 3 and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        q = q.contiguous()
     torch.ops.pdserve_prefill_cpu.prefill(q, out, kv_layer, tables, info, scale)

@@ -192,7 +192,7 @@ def paged_attention_ref(
         return paged_decode(q, kv_layer, plan.paged[1], plan.paged[2], scale)
     out = torch.empty_like(q)
     if plan.paged_prefill is not None:
-        paged_prefill_cpu.paged_prefill(q.contiguous(), out, kv_layer, *plan.paged_prefill, scale)
+        paged_prefill_cpu.paged_prefill(q, out, kv_layer, *plan.paged_prefill, scale)
     if plan.paged is not None:
         rows, tables, lens = plan.paged
         out.index_copy_(0, rows, paged_decode(q.index_select(0, rows), kv_layer, tables, lens, scale))

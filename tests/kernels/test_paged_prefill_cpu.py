@@ -166,6 +166,27 @@ def test_bad_tables_and_rows_are_errors_not_reads_out_of_bounds():
             _run(q, kv, tables, torch.tensor([row, info[1].tolist()]))
 
 
+
+@needs_kernel
+def test_q_is_read_in_place_from_the_fused_qkv_rows():
+    """The RoPE output's q is a view whose rows hold q then k (and v): the op reads it where it lies, with the bits
+    of its contiguous copy; a q whose heads are not each D contiguous is an error for the op and copied by the
+    wrapper."""
+    q, kv, tables, info = _case(9, 3, [(20, 20), (5, 40)])
+    qkv = torch.cat([q, torch.full((q.shape[0], 6, q.shape[2]), float("nan"), dtype=q.dtype)], dim=1)
+    view = qkv[:, :9]
+    assert not view.is_contiguous()
+    want = _run(q, kv, tables, info)
+    out = torch.full_like(q, 7.0)
+    torch.ops.pdserve_prefill_cpu.prefill(view, out, kv, tables, info, 0.125)
+    assert torch.equal(out, want)
+    heads_apart = q.transpose(0, 1).contiguous().transpose(0, 1)   # same values, a head's D no longer beside the next
+    with pytest.raises(RuntimeError, match="each row's H \\* D contiguous"):
+        torch.ops.pdserve_prefill_cpu.prefill(heads_apart, torch.empty(q.shape, dtype=q.dtype), kv, tables, info, 0.125)
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)
+    paged_prefill_cpu.paged_prefill(heads_apart, out, kv, tables, info, 0.125)
+    assert torch.equal(out, want)
+
 @needs_kernel
 def test_onednn_bf16_gemms_right_after_it_stay_exact():
     """The kernel configures AMX tiles on torch's threads; oneDNN's bf16 GEMMs (AMX here) run on the same threads."""
