@@ -298,9 +298,10 @@ void run(const Args& a, std::vector<Seq>& seqs) {
         for (; end < first[t + 1] && work[end].pair == pair; end++) nc = work[end].nc;
         Seq s = seqs[pair / a.Hkv];
         const int64_t n = chunks(s.len) * 32 * D;   // K and V: whole 64-key chunks of len * D / 2 words each
-        if (2 * n > words) {
-          buf.reset((uint32_t*)std::aligned_alloc(64, 2 * n * 4));   // whole cache lines
-          TORCH_CHECK(buf, "out of memory for the packed K/V");
+        if (2 * n > words) {   // grown, never shrunk (a failed allocation leaves the old buffer)
+          uint32_t* grown = (uint32_t*)std::aligned_alloc(64, 2 * n * 4);   // whole cache lines
+          TORCH_CHECK(grown, "out of memory for the packed K/V");
+          buf.reset(grown);
           words = 2 * n;
         }
         s.k = buf.get(); s.v = buf.get() + n;
