@@ -2,8 +2,10 @@
 
 - Prefill attention (kernels/paged_prefill_cpu.py, AMX) vs the torch path (SDPA per sequence, plus the gathered
   context and mask of a chunk that continues a cached prefix), both through ``paged_attention_ref`` with the step's
-  plan, as the engine calls them: whole prompts of 64-2,048 tokens, a 256-token chunk after 394 cached tokens, and a
-  step of 8 mixed prompts. Default model shapes: 9 heads, 3 KV heads, head_dim 64, block 16.
+  plan, as the engine calls them: whole prompts of 64-2,048 tokens, a 256-token chunk after 394 cached tokens, 24 or
+  32 new tokens after ~1,000 cached (32 after 992: the ``engine_throughput.py --mode ttft-prefix`` request), a step of
+  four chunks after cached prefixes and a step of 8 mixed prompts. Default model shapes: 9 heads, 3 KV heads,
+  head_dim 64, block 16.
 - Decode attention (kernels/paged_decode_cpu.py) vs the torch path (padded gather + GEMMs), all 30 layers of an
   engine-shaped bf16 cache, 1-64 sequences.
 - Decode's linears (kernels/amx_linear.py, AMX) vs oneDNN's packed linear (kernels/packed_linear.py): all 121 dense
