@@ -130,7 +130,9 @@ def kernel_of(ref: str, module: str, library: str, op: str, needs: tuple[str, ..
         return code
 
     helpers, ours = "pdserve.kernels.cpu_simd", sys.modules.get("pdserve.kernels.cpu_simd")
-    sys.modules[helpers] = at_ref("cpu_simd")   # what ``from pdserve.kernels.cpu_simd import ...`` finds there
+    has_helpers = subprocess.run(["git", "cat-file", "-e", f"{ref}:kernels/cpu_simd.py"], cwd=root).returncode == 0
+    if has_helpers:   # what ``from pdserve.kernels.cpu_simd import ...`` finds there (older revisions had none)
+        sys.modules[helpers] = at_ref("cpu_simd")
     try:
         code = at_ref(module)
     finally:
