@@ -2,7 +2,7 @@
 
 ``x (M, K) @ w.T (+ b) -> (M, N)``: the weight is stored as ``(N/16, K/32, 16, 32)`` bf16 (zero-padded), so the 16
 output columns of one block stream their whole K contiguously, 1 KiB per tile; each thread takes a range of column
-blocks (then, once done, the blocks left two at a time) and, for up to 64 rows at a time, accumulates up to four 16 x 16 float32 tiles (``tdpbf16ps``), then rounds
+blocks (from 17 rows: then, once done, the blocks left two at a time) and, for up to 64 rows at a time, accumulates up to four 16 x 16 float32 tiles (``tdpbf16ps``), then rounds
 them (plus the bias) to bf16 once, as oneDNN's bf16 GEMM does. Rows are padded to a multiple of 16 and K to 32.
 
 Why: a decode step multiplies a few to a few dozen rows by every weight of the model, so it costs reading the
@@ -190,11 +190,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
       _mm256_mask_storeu_epi16(o + (m0 + r) * N + n0, keep, h);
     }
   };
-  // Each thread first takes a contiguous share of 3/4 of the column blocks, then the rest two at a time as it gets
-  // free: on equal shares the two threads of an engine step finished 5-15% apart, one of them idle meanwhile. Which
-  // thread computes a block changes none of its sums.
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), nb), share = nb * 3 / 4 / nt / 2 * 2;
-  std::atomic<int64_t> next{share * nt};
+  // From 17 rows each thread first takes a contiguous share of 3/4 of the column blocks, then the rest two at a time
+  // as it gets free: on equal shares the two threads of an engine step finished 5-15% apart, one of them idle
+  // meanwhile. Up to 16 rows (one stream per thread, at the memory's speed) each takes an equal range. Which thread
+  // computes a block changes none of its sums.
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), nb);
+  const bool steal = Mp >= 32;
+  const int64_t share = steal ? nb * 3 / 4 / nt / 2 * 2 : 0;
+  std::atomic<int64_t> next{steal ? share * nt : nb};
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     // the last row tile's C and A tiles: tiles<1>'s, or (17-31 rows) tiles22's and tiles21's
     Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 4, tail) : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
@@ -229,7 +232,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
           for (int64_t i = 0; i < mt; i++) store(c + i * 256, m0 + 16 * i, j);
         }
     };
-    for (int64_t t = t0; t < t1; t++) run(t * share, (t + 1) * share);
+    for (int64_t t = t0; t < t1; t++) steal ? run(t * share, (t + 1) * share) : run(nb * t / nt, nb * (t + 1) / nt);
     for (int64_t j; (j = next.fetch_add(2, std::memory_order_relaxed)) < nb;) run(j, std::min<int64_t>(nb, j + 2));
   });
 #else

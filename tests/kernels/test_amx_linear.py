@@ -50,6 +50,23 @@ def test_kernel_matches_float64_and_onednn(m, n, k, threads):
 
 
 @needs_amx
+@pytest.mark.parametrize("m,n,k", [(24, 3072, 576), (32, 576, 1536), (32, 100, 576), (17, 48, 576), (1, 3072, 576)])
+def test_the_threads_split_of_the_column_blocks_changes_no_bit(m, n, k):
+    """From 17 rows the threads take the last quarter of the column blocks as they get free (an odd one last, on
+    its own): every split, from one thread to more threads than blocks, gives oneDNN's output bit for bit."""
+    w, x = _bf16(n, k, seed=4, scale=0.05), _bf16(m, k, seed=5)
+    packed, want = torch.ops.pdserve_amx_linear.pack(w), PackedLinear(w, None)(x)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5, 8):
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                assert torch.equal(torch.ops.pdserve_amx_linear.linear(x, packed, None, n), want), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
 def test_batched_and_strided_input():
     w, b = _bf16(96, 64, seed=4), _bf16(96, seed=5)
     x3 = _bf16(2, 7, 128, seed=6)[..., ::2]
