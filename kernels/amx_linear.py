@@ -2,8 +2,9 @@
 
 ``x (M, K) @ w.T (+ b) -> (M, N)``: the weight is stored as ``(N/16, K/32, 16, 32)`` bf16 (zero-padded), so the 16
 output columns of one block stream their whole K contiguously, 1 KiB per tile; each thread takes a range of column
-blocks (from 17 rows: then, once done, the blocks left two at a time) and, for up to 64 rows at a time, accumulates up to four 16 x 16 float32 tiles (``tdpbf16ps``), then rounds
-them (plus the bias) to bf16 once, as oneDNN's bf16 GEMM does. Rows are padded to a multiple of 16 and K to 32.
+blocks (from 17 rows, then the blocks left two at a time once it is done) and, for up to 64 rows at a time,
+accumulates up to four 16 x 16 float32 tiles (``tdpbf16ps``), then rounds them (plus the bias) to bf16 once, as
+oneDNN's bf16 GEMM does. Rows are padded to a multiple of 16 and K to 32.
 
 Why: a decode step multiplies a few to a few dozen rows by every weight of the model, so it costs reading the
 weights, and oneDNN's packed linear (kernels/packed_linear.py) read them well below this host's memory bandwidth at
