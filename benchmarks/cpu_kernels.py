@@ -137,7 +137,7 @@ def kernel_of(ref: str, module: str, library: str, op: str, needs: tuple[str, ..
         code = at_ref(module)
     finally:
         if ours is None:
-            sys.modules.pop(helpers)
+            sys.modules.pop(helpers, None)   # (absent when the revision had no helpers to swap in)
         else:
             sys.modules[helpers] = ours
     name = f"{library}_ref"

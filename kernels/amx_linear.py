@@ -233,7 +233,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
           for (int64_t i = 0; i < mt; i++) store(c + i * 256, m0 + 16 * i, j);
         }
     };
-    for (int64_t t = t0; t < t1; t++) steal ? run(t * share, (t + 1) * share) : run(nb * t / nt, nb * (t + 1) / nt);
+    for (int64_t t = t0; t < t1; t++)
+      if (steal) run(t * share, (t + 1) * share); else run(nb * t / nt, nb * (t + 1) / nt);
     for (int64_t j; (j = next.fetch_add(2, std::memory_order_relaxed)) < nb;) run(j, std::min<int64_t>(nb, j + 2));
   });
 #else
