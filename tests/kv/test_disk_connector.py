@@ -227,13 +227,21 @@ def test_a_load_is_traced_as_verified(tmp_path):
 LONG = list(range(300, 300 + 24 * BLOCK + 2))   # 24 full blocks: enough for the save to be split over its put threads
 
 
-def _record_puts(store, fail_at: bytes | None = None) -> list[tuple[str, int]]:
+def _record_puts(store, fail_at: bytes | None = None, meet: int = 0) -> list[tuple[str, int]]:
     """Wrap ``store.put_many`` (the real one still writes): (thread name, records) per call; with ``fail_at``, the call
-    holding that hash writes the records before it, then fails as a full disk does."""
+    holding that hash writes the records before it, then fails as a full disk does. With ``meet``, each call first
+    waits (10 s at most) until that many calls are in flight at once: shares written one after another on one thread
+    never meet, and are recorded as ``"apart"``."""
     calls, real = [], store.put_many
+    barrier = threading.Barrier(meet, timeout=10) if meet else None
 
     def put_many(items):
-        calls.append((threading.current_thread().name, len(items)))
+        try:
+            if barrier is not None:
+                barrier.wait()
+            calls.append((threading.current_thread().name, len(items)))
+        except threading.BrokenBarrierError:
+            calls.append(("apart", len(items)))
         hashes = [h for h, _, _ in items]
         if fail_at in hashes:
             real(items[:hashes.index(fail_at)])
@@ -248,10 +256,12 @@ def test_a_long_save_is_hashed_and_written_by_several_threads_and_loads_back_exa
     if DiskStore.put_threads < 2:
         pytest.skip("one CPU: the disk store writes on the save thread alone")
     p, d = _pair(tmp_path)
-    calls = _record_puts(p.store)
+    shares = min(DiskStore.put_threads, 24 // 8)   # all of them must be in flight at once (not left to the scheduler)
+    calls = _record_puts(p.store, meet=shares)
     src, dst = list(range(1, 26)), list(range(1, 26))[::-1]
     params = prefill(p, Req("r", LONG, {"do_remote_decode": True}), src)
-    assert len({name for name, _ in calls}) >= 2 and sum(n for _, n in calls) == 24, calls   # split, every block once
+    names = [name for name, _ in calls]
+    assert len(set(names)) == shares and "apart" not in names and sum(n for _, n in calls) == 24, calls   # every block once
     assert len(_block_files(tmp_path)) == 24 and p.metrics()["kv_blocks_saved"] == 24
     res = load(d, Req("r", LONG, params), dst)
     assert res.num_tokens == 24 * BLOCK and not res.bad_blocks
