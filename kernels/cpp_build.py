@@ -28,7 +28,7 @@ def simd_cflags(extra: tuple[str, ...] = ()) -> list[str]:
     flags, base = cpu_flags(), ["-O3", "-fopenmp"]
     if not {"avx512f", "avx512bw"} <= flags:
         return base
-    gcc = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}  # else the flag's name without underscores
+    gcc = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16", "amx_int8": "-mamx-int8"}  # else the flag's name without underscores
     return [*base, "-mavx512f", "-mavx512bw", "-mfma",
             *(gcc.get(f, f"-m{f.replace('_', '')}") for f in extra if f in flags)]
 
