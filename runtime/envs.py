@@ -99,6 +99,12 @@ def cpu_fused_elementwise() -> bool:
     return _switched_on("PDSERVE_CPU_FUSED_ELEMENTWISE")
 
 
+def cpu_greedy_head() -> bool:
+    """Whether plain greedy rows of a bf16 AMX LM head take their tokens from the int8 screen and the blocks it keeps
+    (PDSERVE_CPU_GREEDY_HEAD, default on; ``0`` computes every logit: kernels/greedy_head_cpu.py)."""
+    return _switched_on("PDSERVE_CPU_GREEDY_HEAD")
+
+
 def cpu_layer_stack() -> bool:
     """Whether a bf16 CPU step of at most 32 tokens runs its decoder layers as one C++ call (PDSERVE_CPU_LAYER_STACK,
     default on; ``0`` calls the modules: kernels/layer_stack_cpu.py)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.kernels import amx_linear, greedy_head_cpu
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.kernels.packed_linear import pack_linears
 from pdserve.runtime import envs
@@ -36,13 +37,14 @@ class ForwardOutput:
     """What one forward pass leaves for the sampler: the rows that reached the end of their tokens."""
 
     req_ids: list[str]            # requests to sample, in batch order
-    logits: torch.Tensor          # (N, vocab) float32; N = len(req_ids) + the number of drafts being verified
+    logits: torch.Tensor | None   # (N, vocab) float32; N = len(req_ids) + the number of drafts being verified
     hidden_states: torch.Tensor   # (N, hidden): the hidden state at each of those positions (e.g. for a draft model)
     # request id -> drafts being verified: such a request has len(drafts) + 1 consecutive rows (its positions from
     # the last real token on), the others one row each
     spec: dict[str, list[int]] = field(default_factory=dict)
     grammar_bitmask: torch.Tensor | None = None   # (len(req_ids), ceil(vocab/32)) int32, all ones where free
     grammar_rows: list[int] | None = None         # rows (indices into req_ids) a grammar constrains
+    greedy_ids: torch.Tensor | None = None        # (N,) the tokens of plain greedy rows, from the greedy head (no logits)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -81,6 +83,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.proposer = None      # speculative decoding: proposes drafts after sampling (runtime/spec_propose.py)
         self.lora = None  # a LoRAManager when LoRA is enabled: gives the step's adapters slots (runtime/lora_manager.py)
+        # plain greedy rows' tokens without every logit (kernels/greedy_head_cpu.py); None where it does not apply
+        self.greedy_head = greedy_head_cpu.for_model(model) if device.type == "cpu" else None
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
@@ -123,12 +127,30 @@ class ModelRunner:
         last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
         idx = torch.cat([torch.arange(-len(spec.get(req_ids[i], ())), 1, device=last.device) + last[i] for i in rows])
         hidden = hidden[idx]                                                                 # (N, hidden)
-        logits = self.model.compute_logits(hidden)                                           # (N, vocab)
         sampled = [req_ids[i] for i in rows]
+        if self._screens(sampled, spec, out):
+            return ForwardOutput(sampled, None, hidden, greedy_ids=self.greedy_head(hidden))
+        logits = self.model.compute_logits(hidden)                                           # (N, vocab)
         fwd = ForwardOutput(sampled, logits.float(), hidden, {r: spec[r] for r in sampled if spec.get(r)})
         if out.grammar_bitmask is not None:
             self._attach_grammar(fwd, out)
         return fwd
+
+    def _screens(self, sampled: list[str], spec: dict[str, list[int]], out: SchedulerOutput) -> bool:
+        """Whether the greedy head gives this step's tokens: every row plain greedy (no penalties, logprobs, min_tokens
+        mask, grammar or drafts to verify), the rows few enough for the AMX head and the head still the one it screens
+        (LoRA or quantization may replace it)."""
+        head = self.greedy_head
+        if (head is None or out.grammar_bitmask is not None or len(sampled) > amx_linear.MAX_ROWS
+                or self.model.lm_head is not head.head or any(spec.get(r) for r in sampled)):
+            return False
+        for r in sampled:
+            s = self.batch.requests[r]
+            p = s.sampling_params
+            if not p.greedy or p.has_penalties or p.logprobs is not None or p.held_back_token_ids(
+                    s.eos_token_id, s.num_output_tokens):
+                return False
+        return True
 
     @staticmethod
     def _attach_grammar(fwd: ForwardOutput, out: SchedulerOutput) -> None:
@@ -150,7 +172,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         plain = [i for i, r in enumerate(fwd.req_ids) if r not in fwd.spec]
         tokens: dict[str, list[SampledToken]] = {}
-        if not fwd.spec:
+        if fwd.greedy_ids is not None:   # plain greedy rows, their tokens already chosen
+            plain = []
+            tokens.update((r, [SampledToken(t)]) for r, t in zip(fwd.req_ids, fwd.greedy_ids.tolist()))
+        elif not fwd.spec:
             rows = fwd.logits
         else:   # row offsets: a verifying request spans len(drafts) + 1 rows
             sizes = [len(fwd.spec.get(r, ())) + 1 for r in fwd.req_ids]

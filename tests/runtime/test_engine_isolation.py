@@ -54,14 +54,14 @@ def test_out_of_vocab_stop_token_is_refused_and_engine_keeps_working(llm):
 
 def test_a_request_failing_inside_a_step_fails_alone(llm, monkeypatch):
     engine = llm.engine
-    real = engine.runner.sampler
+    real = engine.runner.sample
 
-    def sampler(logits, meta):   # fault injection: sampling raises whenever request "bad" is in the batch
-        if "bad" in meta.req_ids:
+    def sample(fwd):   # fault injection: sampling raises whenever request "bad" is in the batch (greedy head or not)
+        if fwd is not None and "bad" in fwd.req_ids:
             raise RuntimeError("injected sampler fault")
-        return real(logits, meta)
+        return real(fwd)
 
-    monkeypatch.setattr(engine.runner, "sampler", sampler)
+    monkeypatch.setattr(engine.runner, "sample", sample)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = llm.generate("The capital of France is", greedy)[0].outputs[0].token_ids
     for rid in ("good1", "bad", "good2"):

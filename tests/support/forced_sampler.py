@@ -52,6 +52,7 @@ def forced_greedy_runs(variants, prompts: list[str], max_tokens: int, probe=lamb
             try:
                 engine = llm.engine
                 engine.runner.sampler = sampler = ForcedSampler(engine.runner.sampler, reference)
+                engine.runner.greedy_head = None   # every row through the sampler (the screen's own tests check it)
                 for i, prompt in enumerate(prompts):
                     engine.add_request(f"p{i}", prompt,
                                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
