@@ -42,6 +42,9 @@ from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
 
 log = logging.getLogger(__name__)
 NEEDS = ("avx512vl", "avx512_bf16", "amx_tile", "amx_int8")   # the CPU flags it is built with (and needs)
+# The most rows a step screens (the kernel takes 32): per row the screen bounds every logit and adds its candidate
+# blocks to the exact product, and at 24-32 rows that cost what the smaller read saves (README, "Twelfth session").
+MAX_ROWS = 16
 
 SOURCE = r"""
 #include <ATen/ATen.h>

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels import amx_linear, greedy_head_cpu
+from pdserve.kernels import greedy_head_cpu
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.kernels.packed_linear import pack_linears
 from pdserve.runtime import envs
@@ -138,10 +138,10 @@ class ModelRunner:
 
     def _screens(self, sampled: list[str], spec: dict[str, list[int]], out: SchedulerOutput) -> bool:
         """Whether the greedy head gives this step's tokens: every row plain greedy (no penalties, logprobs, min_tokens
-        mask, grammar or drafts to verify), the rows few enough for the AMX head and the head still the one it screens
-        (LoRA or quantization may replace it)."""
+        mask, grammar or drafts to verify), the rows few enough for the screen to pay and the head still the one it
+        screens (LoRA or quantization may replace it)."""
         head = self.greedy_head
-        if (head is None or out.grammar_bitmask is not None or len(sampled) > amx_linear.MAX_ROWS
+        if (head is None or out.grammar_bitmask is not None or len(sampled) > greedy_head_cpu.MAX_ROWS
                 or self.model.lm_head is not head.head or any(spec.get(r) for r in sampled)):
             return False
         for r in sampled:

@@ -2,8 +2,8 @@
 odd shapes (a last block of 16 columns with padding, K not a multiple of 64), 1 to 32 rows, both thread counts, exact
 ties (the first index wins), near ties made by one-ulp weight changes, hidden rows of every scale, zero and non-finite
 rows; it computes few column blocks exactly (the screen does its work); the bf16 engine takes plain greedy rows'
-tokens from it, and only those (logprobs, penalties, min_tokens and sampling keep the full head), with the same
-tokens as without it."""
+tokens from it, and only those (logprobs, penalties, min_tokens, sampling and steps of more than ``MAX_ROWS`` rows
+keep the full head), with the same tokens as without it."""
 
 from __future__ import annotations
 
@@ -142,6 +142,10 @@ def test_the_engine_takes_plain_greedy_tokens_from_it_and_only_those():
             out = llm.generate(prompts[:1], params)[0].outputs[0]
             assert gh.screened == rows + plain and len(out.token_ids) == 4
             assert (out.logprobs is not None) == (params.logprobs is not None)
+        rows = gh.screened           # one step sampling more rows than the screen pays for: every logit
+        llm.generate([f"{i} apples and" for i in range(greedy_head_cpu.MAX_ROWS + 1)],
+                     SamplingParams(temperature=0.0, max_tokens=1))
+        assert gh.screened == rows
         runner.greedy_head = None    # every logit, as before the screen
         full = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         assert screened == full
