@@ -14,6 +14,8 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def main() -> None:
@@ -22,7 +24,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per measurement")
     args = p.parse_args()
+    alternate(args, "stack", lambda llm, on: os.environ.__setitem__("PDSERVE_CPU_LAYER_STACK", "1" if on else "0"),
+              (1, 8, 32), lambda llm: llm.engine.runner.model.layer_stack.steps, ("modules", "stack"))
 
+
+def alternate(args, what: str, switch: Callable[[Any, bool], None], sizes: tuple[int, ...],
+              served: Callable[[Any], int], names: tuple[str, str]) -> None:
+    """Times ``what`` off and on in turn (``switch(llm, on)``) in one engine: the cached-prefix request and a decode
+    step at each of ``sizes`` running sequences; prints each round, then each side's best and the ratio."""
     from pdserve.runtime import LLM, SamplingParams
 
     llm = LLM(args.model, max_model_len=1064, enable_prefix_caching=True, max_num_batched_tokens=2048)
@@ -59,18 +68,18 @@ def main() -> None:
     best: dict[str, dict[str, float]] = {"on": {}, "off": {}}
     for r in range(args.rounds):
         for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            os.environ["PDSERVE_CPU_LAYER_STACK"] = "1" if side == "on" else "0"
+            switch(llm, side == "on")
             got = {"cached-prefix request": statistics.median(cached_request() for _ in range(10)),
-                   **{f"decode step, {n} seqs": decode_step(n) for n in (1, 8, 32)}}
+                   **{f"decode step, {n} seqs": decode_step(n) for n in sizes}}
             for k, v in got.items():
                 best[side][k] = min(best[side].get(k, float("inf")), v)
-            print(f"round {r + 1}, stack {side:3s}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()),
+            print(f"round {r + 1}, {what} {side:3s}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()),
                   flush=True)
-    served = engine.runner.model.layer_stack.steps
+    count = served(llm)
     llm.shutdown()
-    print(f"best of {args.rounds} rounds (steps the stack served: {served}):")
+    print(f"best of {args.rounds} rounds ({what}: {count} served):")
     for k in best["on"]:
-        print(f"  {k}: modules {best['off'][k] * 1e3:.2f} ms, stack {best['on'][k] * 1e3:.2f} ms: "
+        print(f"  {k}: {names[0]} {best['off'][k] * 1e3:.2f} ms, {names[1]} {best['on'][k] * 1e3:.2f} ms: "
               f"{best['off'][k] / best['on'][k]:.2f}x")
 
 
