@@ -33,14 +33,12 @@ test_greedy_head_cpu.py checks the tokens against the full head, ties and bf16-r
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from pdserve.kernels import amx_linear, cpp_build
 from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
 
-log = logging.getLogger(__name__)
 NEEDS = ("avx512vl", "avx512_bf16", "amx_tile", "amx_int8")   # the CPU flags it is built with (and needs)
 # The most rows a step screens (the kernel takes 32): per row the screen bounds every logit and adds its candidate
 # blocks to the exact product, and at 24-32 rows that cost what the smaller read saves (README, "Twelfth session").
@@ -161,11 +159,8 @@ at::Tensor screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
     return a;
   };
   auto valid = [&](int64_t v) { return __mmask16(N - v >= 16 ? 0xffff : (1u << (N - v)) - 1); };
-  // pass 1: every block's sums, and each thread's best lower bound per row
-  // block j: row m's 16 first-digit sums, then its 16 second-digit ones (kept between calls: no page faults)
-  static thread_local std::vector<int32_t> kept;
-  if ((int64_t)kept.size() < nb * M * 32) kept.resize(nb * M * 32);
-  int32_t* const sums = kept.data();   // the calling thread's buffer (a worker's thread_local would be its own)
+  // pass 1: per block and row the largest upper bound rounded to bf16, and each thread's best lower bound per row
+  std::vector<float> top(nb * M);
   const int threads = at::get_num_threads();
   std::vector<float> best(threads * M, -INFINITY);
   at::parallel_for(0, nb, 16, [&](int64_t j0, int64_t j1) {
@@ -177,35 +172,23 @@ at::Tensor screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
       else block_dot<1>(p.data(), Kq, q.data_ptr<int8_t>() + j * kq * 1024, kq, acc);
       const int64_t v = j * 16;
       for (int64_t m = 0; m < M; m++) {
-        int32_t* d = sums + (j * M + m) * 32;
-        const int32_t* t = acc + (m / 16) * 512 + (m % 16) * 16;
-        std::memcpy(d, t, 64);
-        std::memcpy(d + 16, t + 256, 64);
+        const int32_t* d = acc + (m / 16) * 512 + (m % 16) * 16;   // its first-digit sums; the second 256 on
         __m512 half;
-        const __m512 a = logit(d, d + 16, m, v, half);
+        const __m512 a = logit(d, d + 256, m, v, half);
         mine[m] = std::max(mine[m], _mm512_mask_reduce_max_ps(valid(v), _mm512_sub_ps(a, half)));
+        top[j * M + m] = _mm512_mask_reduce_max_ps(valid(v), round16(_mm512_add_ps(a, half)));
       }
     }
   });
-  // pass 2: a block is kept when one of its upper bounds reaches its row's best lower bound, both rounded to bf16
-  std::vector<float> floor(M);
-  for (int64_t m = 0; m < M; m++) {
+  // pass 2: a block is kept when its largest rounded upper bound reaches its row's best lower bound rounded the same
+  // way (rounding keeps order: the same as any one of its upper bounds reaching it)
+  std::vector<uint8_t> keep(nb, all);
+  for (int64_t m = 0; m < M && !all; m++) {
     float b = -INFINITY;
     for (int t = 0; t < threads; t++) b = std::max(b, best[t * M + m]);
-    floor[m] = _mm512_cvtss_f32(round16(_mm512_set1_ps(b)));
+    const float floor = _mm512_cvtss_f32(round16(_mm512_set1_ps(b)));
+    for (int64_t j = 0; j < nb; j++) keep[j] |= top[j * M + m] >= floor;
   }
-  std::vector<uint8_t> keep(nb, all);
-  if (!all)
-    at::parallel_for(0, nb, 64, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; j++)
-        for (int64_t m = 0; m < M && !keep[j]; m++) {
-          const int32_t* d = sums + (j * M + m) * 32;
-          __m512 half;
-          const __m512 a = logit(d, d + 16, m, j * 16, half);
-          keep[j] = _mm512_mask_cmp_ps_mask(valid(j * 16), round16(_mm512_add_ps(a, half)), _mm512_set1_ps(floor[m]),
-                                            _CMP_GE_OQ) != 0;
-        }
-    });
   std::vector<int64_t> blocks;
   for (int64_t j = 0; j < nb; j++) if (keep[j]) blocks.push_back(j);
   return at::tensor(blocks, at::kLong);
