@@ -221,7 +221,9 @@ class LlamaForCausalLM(nn.Module):
         self.max_model_len = max_model_len or hf_config.max_position_embeddings
         self.args = args = LlamaArgs.from_hf(hf_config, self.max_model_len)
         self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # an uninitialized table: on the meta device nn.Embedding's own init (normal_) costs ~1 s of torch imports
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
