@@ -3,6 +3,7 @@ kernels/amx_linear.py).
 
 ``AVX512_HELPERS`` (inside ``#ifdef PD_AVX512``, after ``<immintrin.h>``): ``load16`` (16 floats or bf16s as floats),
 ``exp16`` (e^x for x <= 0, 0 below -87), ``round16`` (16 floats rounded to bf16, kept as floats) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
+``TRANSPOSE16`` (after ``<immintrin.h>``, AVX-512 F): ``transpose16``, a 16 x 16 transpose of 32-bit words in registers.
 ``AMX_HELPERS`` (after ``<sys/syscall.h>`` and ``<unistd.h>``, compiled with ``-mamx-tile -mamx-bf16``): ``Tiles``
 (a thread's AMX tile configuration for a scope, every tile 16 x 64 bytes) and ``amx_permitted`` (asks Linux for AMX).
 """
@@ -71,4 +72,30 @@ bool amx_permitted() {
   return ok;
 }
 
+"""
+
+TRANSPOSE16 = r"""
+// 16 x 16 32-bit words, in registers: r[i] holds row i, then column i
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int k = 0; k < 16; k += 4) {  // lane L of r[k + j] now: column 4L + j of rows k .. k + 3
+    r[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    const __m512i v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    t[j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    t[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    t[4 + j] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = t[i];
+}
 """

@@ -33,7 +33,7 @@ import logging
 import torch
 
 from pdserve.kernels import cpp_build
-from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
+from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS, TRANSPOSE16
 
 log = logging.getLogger(__name__)
 NEEDS = ("avx512_bf16", "amx_tile", "amx_bf16")   # the CPU flags it is built with (and needs)
@@ -58,7 +58,7 @@ SOURCE = r"""
 
 namespace {
 #ifdef PD_AVX512
-""" + AVX512_HELPERS + AMX_HELPERS + r"""
+""" + AVX512_HELPERS + AMX_HELPERS + TRANSPOSE16 + r"""
 
 struct Seq { int64_t q0, q_len, len; const int64_t* table; uint32_t* k; uint32_t* v; };  // k, v: its packed K/V
 struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, Hkv, G, bs, s_block, s_kv, s_q; float scale; };
@@ -67,29 +67,6 @@ struct Args { const uint16_t* q; uint16_t* out; const uint16_t* kv; int64_t H, H
 inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
 inline int64_t chunks(int64_t len) { return (len + 63) / 64; }
-
-inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit words, in registers
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int k = 0; k < 16; k += 4) {  // lane L of r[k + j] now: column 4L + j of rows k .. k + 3
-    r[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
-    r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
-    r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
-    r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
-  }
-  for (int j = 0; j < 4; j++) {
-    const __m512i v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
-    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
-    t[j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    t[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-    t[4 + j] = _mm512_shuffle_i32x4(v2, w2, 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
-  }
-  for (int i = 0; i < 16; i++) r[i] = t[i];
-}
 
 // One 64-key chunk ``c`` of a (sequence, KV head)'s K and V, zero past its length, in the layouts vdpbf16ps pairs:
 // K as [key tile of 16][dim pair p][key] words (k[2p], k[2p+1]), each tile a 16 x 16 word transpose of its keys' rows

@@ -50,6 +50,20 @@ def test_kernel_matches_float64_and_onednn(m, n, k, threads):
 
 
 @needs_amx
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 1536), (17, 33), (5, 7), (33, 64), (16, 31)])
+def test_pack_is_the_documented_layout(n, k):
+    """Whole tiles go through a register transpose, partial ones (the last rows or K) element by element: both give
+    the layout the kernel reads, (N/16, K/32, 16, 32) with tile row r holding each column's pair (w[n][k0 + 2r],
+    w[n][k0 + 2r + 1]), zero-padded."""
+    w = _bf16(n, k, seed=7)
+    nb, kb = -(-n // 16), -(-k // 32)
+    want = torch.zeros(nb * 16, kb * 32, dtype=torch.bfloat16)
+    want[:n, :k] = w
+    want = want.view(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, kb, 16, 32)
+    assert torch.equal(torch.ops.pdserve_amx_linear.pack(w), want)
+
+
+@needs_amx
 @pytest.mark.parametrize("m,n,k", [(24, 3072, 576), (32, 576, 1536), (32, 100, 576), (17, 48, 576), (1, 3072, 576)])
 def test_the_threads_split_of_the_column_blocks_changes_no_bit(m, n, k):
     """From 17 rows the threads take the last quarter of the column blocks as they get free (an odd one last, on
