@@ -26,8 +26,8 @@ finite screens nothing out (the full head's answer, NaN included).
 (``amx_linear.MAX_ROWS``: above, the head is oneDNN's and sums in another order). The norms are computed once, in
 float64, when the copy is made at load (~0.35 s for SmolLM2's head); the copy takes ``N * K`` bytes. On SmolLM2's
 real hidden states ~9-22 blocks of 3,072 are candidates per row; in engine steps the screen and those blocks take
-1.4-1.9 ms where the full head and its argmax take 2.6-3.1 ms (README, "Twelfth session"). tests/kernels/
-test_greedy_head_cpu.py checks the tokens against the full head, ties and bf16-rounding ties included.
+1.4-1.9 ms where the full head and its argmax take 2.6-3.1 ms (benchmarks/RESULTS.md, "Twelfth session").
+tests/kernels/test_greedy_head_cpu.py checks the tokens against the full head, ties and bf16-rounding ties included.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS
 
 NEEDS = ("avx512vl", "avx512_bf16", "amx_tile", "amx_int8")   # the CPU flags it is built with (and needs)
 # The most rows a step screens (the kernel takes 32): per row the screen bounds every logit and adds its candidate
-# blocks to the exact product, and at 24-32 rows that cost what the smaller read saves (README, "Twelfth session").
+# blocks to the exact product, and at 24-32 rows that cost what the smaller read saves (benchmarks/RESULTS.md,
+# "Twelfth session").
 MAX_ROWS = 16
 
 SOURCE = r"""
@@ -52,6 +53,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <immintrin.h>
@@ -196,12 +198,48 @@ at::Tensor screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
   TORCH_CHECK(false, "built without AMX");
 #endif
 }
+
+// The int8 copy of w (N, K) bf16, a row at a time in float64: s = float(max |w| / 127) (1 for a zero row), q =
+// clamp(round(w / s), -127, 127) into rows 0 .. N of q (rows, cols) int8 (zero elsewhere), and per row s,
+// ||w - s q||_2 + 3 K 2^-24 ||w||_2 and ||s q||_2 (s q is exact in float64: an int8 times a float).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t rows, int64_t cols) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && rows >= w.size(0) &&
+              cols >= w.size(1), "w: contiguous bf16 (N <= rows, K <= cols)");
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor q = at::zeros({rows, cols}, w.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({N}, w.options().dtype(at::kDouble)), err = at::empty_like(scale), sqn = at::empty_like(scale);
+  const uint16_t* wp = (const uint16_t*)w.data_ptr();
+  int8_t* qp = q.data_ptr<int8_t>();
+  double *sp = scale.data_ptr<double>(), *ep = err.data_ptr<double>(), *np = sqn.data_ptr<double>();
+  auto value = [](uint16_t h) { uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return double(f); };
+  at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const uint16_t* row = wp + r * K;
+      double amax = 0;
+      for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(value(row[k])));
+      double s = double(float(amax / 127));
+      if (!(s > 0)) s = 1;
+      double e2 = 0, w2 = 0, q2 = 0;
+      for (int64_t k = 0; k < K; k++) {
+        const double x = value(row[k]), v = std::clamp(std::nearbyint(x / s), -127.0, 127.0), sq = v * s;
+        qp[r * cols + k] = int8_t(v);
+        e2 += (x - sq) * (x - sq); w2 += x * x; q2 += sq * sq;
+      }
+      sp[r] = s;
+      ep[r] = std::sqrt(e2) + 3 * K * std::ldexp(1.0, -24) * std::sqrt(w2);
+      np[r] = std::sqrt(q2);
+    }
+  });
+  return {q, scale, err, sqn};
+}
 }  // namespace
 
 TORCH_LIBRARY(pdserve_greedy_head_cpu, m) {
   m.def("available() -> bool", &available);
   m.def("screen(Tensor x, Tensor q, Tensor scale, Tensor err, Tensor sqn, int n) -> Tensor");
+  m.def("quantize(Tensor w, int rows, int cols) -> (Tensor, Tensor, Tensor, Tensor)");
   m.impl("screen", c10::DispatchKey::CPU, TORCH_FN(screen));
+  m.impl("quantize", c10::DispatchKey::CPU, TORCH_FN(quantize));
 }
 """
 
@@ -242,18 +280,8 @@ class GreedyHead:
         n, k = head.out_features, head.in_features
         p = head.packed                                                          # (N/16, K/32, 16, 32): see amx_linear.pack
         w = p.view(p.shape[0], p.shape[1], 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(p.shape[0] * 16, -1)[:n, :k]
-        q8 = torch.zeros(p.shape[0] * 16, -(-k // 64) * 64, dtype=torch.int8)
-        scale, err, sqn = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
-        for r in range(0, n, 4096):   # in float64, a slice of rows at a time
-            wr = w[r:r + 4096].double()
-            s = (wr.abs().amax(1) / 127).float().double()                       # the scales the screen multiplies by
-            s = torch.where(s > 0, s, torch.ones_like(s))
-            q = torch.round(wr / s[:, None]).clamp(-127, 127)
-            sq = q * s[:, None]                                                 # exact in float64
-            e = r + wr.shape[0]
-            q8[r:e, :k] = q.to(torch.int8)
-            scale[r:e], sqn[r:e] = s, sq.norm(dim=1)
-            err[r:e] = (wr - sq).norm(dim=1) + 3 * k * 2.0 ** -24 * wr.norm(dim=1)
+        q8, scale, err, sqn = torch.ops.pdserve_greedy_head_cpu.quantize(w.contiguous(), p.shape[0] * 16,
+                                                                         -(-k // 64) * 64)
         pad = -n % 16
         self.head = head
         self.scale, self.err, self.sqn = (_padded(x, pad) for x in (scale, err, sqn))

@@ -46,6 +46,26 @@ def test_the_screened_token_is_the_full_heads(n, k, threads):
 
 
 @needs_screen
+def test_the_int8_copy_is_each_row_rounded_on_its_own_grid():
+    """The copy made at load: per row s = float(max |w| / 127) (1 for a zero row), q = w / s rounded half to even and
+    clamped to 127, zero-padded, and the norms the bound uses, as float64 torch computes them."""
+    n, k = 300, 80
+    w = _bf16(n, k, seed=8, scale=0.05)
+    w[3] = 0
+    w[5, :6] = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5, 127.0])   # s = 1: the halves round to even
+    q, s, err, sqn = torch.ops.pdserve_greedy_head_cpu.quantize(w, 304, 128)
+    wd = w.double()
+    s_want = (wd.abs().amax(1) / 127).float().double()
+    s_want = torch.where(s_want > 0, s_want, torch.ones_like(s_want))
+    q_want = torch.round(wd / s_want[:, None]).clamp(-127, 127)
+    assert torch.equal(s, s_want) and torch.equal(q[:n, :k], q_want.to(torch.int8))
+    assert q[5, :6].tolist() == [0, 0, 2, 2, -2, 127] and not q[n:].any() and not q[:, k:].any()
+    sq = q_want * s_want[:, None]
+    assert torch.allclose(sqn, sq.norm(dim=1), rtol=1e-12, atol=0)
+    assert torch.allclose(err, (wd - sq).norm(dim=1) + 3 * k * 2.0 ** -24 * wd.norm(dim=1), rtol=1e-12, atol=0)
+
+
+@needs_screen
 def test_ties_and_near_ties_keep_the_full_heads_first_index():
     """Rows equal to one row (exact ties, far apart in the vocab) and rows one bf16 ulp from it in a few weights
     (logits that differ in float32 and may round to the same bf16): the screen keeps them all and picks as argmax."""
