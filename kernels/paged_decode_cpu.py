@@ -136,8 +136,8 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
 // Asks for row r of one head in the next block (next: its first row; nullptr: none) while row r of this block is
 // computed. Spread over the rows like this, the next block's loads overlap this block's arithmetic; a whole block
 // asked for at once (96 lines) filled every line-fill buffer and stalled until it arrived, so loads and arithmetic
-// took turns (1.4-2.6x at 1-64 sequences, README). Consecutive blocks of a layer sit a whole block apart (every
-// layer's K and V in between), past any page the hardware prefetcher would follow.
+// took turns (1.4-2.6x at 1-64 sequences, benchmarks/RESULTS.md). Consecutive blocks of a layer sit a whole block
+// apart (every layer's K and V in between), past any page the hardware prefetcher would follow.
 template <typename KV, int DV>
 inline void prefetch_row(const KV* next, int64_t r, int64_t row) {
   if (next == nullptr) return;
@@ -257,7 +257,7 @@ void item_fixed(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<
 
 // One whole sequence, every KV head, block by block (many sequences per step): a block's rows hold all heads side by
 // side, so a layer-block's K (then V) is one contiguous span, read once for all heads, instead of each head's slice of
-// it being fetched from memory on its own (README: 1.5-1.9x at 1-64 sequences).
+// it being fetched from memory on its own (benchmarks/RESULTS.md: 1.5-1.9x at 1-64 sequences).
 // Same arithmetic per head as item_fixed.
 template <typename KV, int G, int DV>
 void seq_fixed(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {

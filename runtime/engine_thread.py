@@ -4,7 +4,8 @@ Why one thread: torch's CPU ops run on OpenMP (libgomp), which keeps a team of w
 has started parallel work. Once it manages more threads than the process has CPUs, a worker spins only ~100 times
 before it sleeps, so each of a step's ~1,000 parallel regions wakes it through the kernel. On 2 cores, an engine
 built on the main thread (whose team stays alive) and stepped on another ran the issue-10 workload 1.06-1.30x
-slower in process (two sessions), its OpenMP worker busy ~50% of the time instead of ~100% (README, engine speed).
+slower in process (two sessions), its OpenMP worker busy ~50% of the time instead of ~100% (benchmarks/RESULTS.md,
+"One thread for the engine's torch work").
 vLLM's engine core likewise builds and steps its model on one thread. Other torch work of a server (loading a LoRA
 adapter at run time) goes through ``AsyncEngine.call`` onto this thread too.
 """

@@ -1,7 +1,7 @@
 """One thread does a server's torch work (runtime/engine_thread.py): ``run_server`` builds the real engine on the
 ``EngineThread`` that then runs its loop, and the app steps it there. Two threads that each start OpenMP work keep two
 teams of workers, and on a machine with as many CPUs as one team has threads libgomp then stops the workers from
-spinning between parallel regions (the workload 1.06-1.30x slower in process, README)."""
+spinning between parallel regions (the workload 1.06-1.30x slower in process, benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
