@@ -57,7 +57,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -65,18 +65,20 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code == 200:
                 return
-        time.sleep(0.5)
+        time.sleep(poll)
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], health: str, port: int, timeout: float = 600, log: Path | None = None) -> Iterator[str]:
-    """Start a server command, wait for ``health`` to answer 200, yield its base URL, stop it (SIGTERM, then kill)."""
+def running(cmd: list[str], health: str, port: int, timeout: float = 600, log: Path | None = None,
+            env: dict[str, str] | None = None, poll: float = 0.5) -> Iterator[str]:
+    """Start a server command (with environment ``env``, else ours), wait for ``health`` to answer 200 (asking every
+    ``poll`` s), yield its base URL, stop it (SIGTERM, then kill)."""
     sink = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base + health, proc, timeout)
+        wait_ready(base + health, proc, timeout, poll)
         yield base
     finally:
         proc.terminate()

@@ -16,9 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
-from llamacpp import free_port
+from llamacpp import free_port, running
 
 FAST_PATHS_OFF = {"PDSERVE_CPU_PACKED_GEMM": "0", "PDSERVE_CPU_DECODE_ATTENTION": "torch",
                   "PDSERVE_CPU_PREFILL_ATTENTION": "torch", "PDSERVE_CPU_FUSED_ELEMENTWISE": "0",
@@ -28,29 +27,10 @@ FAST_PATHS_OFF = {"PDSERVE_CPU_PACKED_GEMM": "0", "PDSERVE_CPU_DECODE_ATTENTION"
 def start_once(env: dict[str, str], timeout: float) -> float:
     """Seconds from launching `pdserve serve` to its first `/v1/models` answer; the server is stopped after."""
     port = free_port()
-    with tempfile.TemporaryFile() as log:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port)],
-                                env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"pdserve serve exited with {proc.returncode}:\n{log.read().decode()[-2000:]}")
-                if time.perf_counter() - t0 > timeout:
-                    raise SystemExit(f"pdserve serve did not answer within {timeout:.0f} s")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                        return time.perf_counter() - t0
-                except OSError:
-                    time.sleep(0.05)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    t0 = time.perf_counter()
+    with running([sys.executable, "-m", "pdserve", "serve", "--port", str(port)], "/v1/models", port, timeout,
+                 env={**os.environ, **env}, poll=0.05):
+        return time.perf_counter() - t0
 
 
 KERNELS = ("amx_linear", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "layer_stack_cpu", "greedy_head_cpu")
