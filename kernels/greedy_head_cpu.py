@@ -23,8 +23,8 @@ to the same value. Candidates are taken in vocab order, so ties keep the first i
 finite screens nothing out (the full head's answer, NaN included).
 
 ``screen`` returns the union over the rows of their candidate blocks, sorted, for up to 32 rows
-(``amx_linear.MAX_ROWS``: above, the head is oneDNN's and sums in another order). The norms are computed once, in
-float64, when the copy is made at load (~0.35 s for SmolLM2's head); the copy takes ``N * K`` bytes. On SmolLM2's
+(``amx_linear.MAX_ROWS``: above, the head is oneDNN's and sums in another order). ``quantize`` makes the copy at
+load, with the norms in float64 (~0.06 s for SmolLM2's head); the copy takes ``N * K`` bytes. On SmolLM2's
 real hidden states ~9-22 blocks of 3,072 are candidates per row; in engine steps the screen and those blocks take
 1.4-1.9 ms where the full head and its argmax take 2.6-3.1 ms (benchmarks/RESULTS.md, "Twelfth session").
 tests/kernels/test_greedy_head_cpu.py checks the tokens against the full head, ties and bf16-rounding ties included.
