@@ -99,7 +99,7 @@ def run(n: int, args) -> dict[str, float]:
     from pdserve.runtime import LLM, SamplingParams
 
     prefix = args.cached_prefix
-    llm = LLM(args.model, max_model_len=max(2048, prefix + 64), enable_prefix_caching=True)
+    llm = LLM(args.model, max_model_len=max(2048, prefix + 64))   # prefix caching: on by default
     engine = llm.engine
     rng = random.Random(n)
     vocab = engine.hf_config.vocab_size
@@ -125,7 +125,10 @@ def run(n: int, args) -> dict[str, float]:
     instrument(engine)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(args.steps):
-            cached_request(3 + i) if prefix else engine.step()
+            if prefix:
+                cached_request(3 + i)
+            else:
+                engine.step()
     totals = dict.fromkeys(RANGES, 0.0)
     totals.update({e.key: e.cpu_time_total / 1000 / args.steps for e in prof.key_averages() if e.key in RANGES})
     totals.update({f"stack {k}": v / args.steps for k, v in stack_parts(prof).items()})
