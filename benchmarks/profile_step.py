@@ -25,8 +25,8 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-RANGES = ["intake", "step", "schedule", "metadata", "forward", "layer stack", "gemm", "attention", "norm", "lm_head", "sampling",
-          "update", "postprocess"]
+RANGES = ["intake", "step", "schedule", "metadata", "forward", "layer stack", "gemm", "attention", "norm", "lm_head",
+          "sampling", "update", "postprocess"]
 STACK_OPS = {   # the ops the layer stack calls, by the part they belong to (anything else it does: rope/elementwise)
     "pdserve_amx_linear::linear": "gemm", "pdserve_paged_cpu::decode": "attention",
     "pdserve_prefill_cpu::prefill": "attention", "pdserve_fused_cpu::rms_norm": "norm"}
@@ -160,6 +160,9 @@ def main() -> None:
     def part(t: dict[str, float], name: str) -> float:   # the part in the modules' ranges and in the layer stack
         return t[name] + t[f"stack {name}"]
 
+    def whole(t: dict[str, float]) -> float:   # the step, and the request's intake before it (cached-prefix mode)
+        return t["step"] + t["intake"]
+
     rows = [("GEMMs (qkv, o, gate_up, down)", lambda t: part(t, "gemm")),
             ("attention (paged attention kernels)", lambda t: part(t, "attention")),
             ("RMSNorm", lambda t: part(t, "norm")),
@@ -175,9 +178,9 @@ def main() -> None:
     head = " | ".join(f"{n}: ms/step (%)" for n in results)
     print(f"| part | {head} |\n|---|{'---|' * len(results)}")
     for label, f in rows:
-        cells = " | ".join(f"{f(t):.2f} ({100 * f(t) / (t['step'] + t['intake']):.0f}%)" for t in results.values())
+        cells = " | ".join(f"{f(t):.2f} ({100 * f(t) / whole(t):.0f}%)" for t in results.values())
         print(f"| {label} | {cells} |")
-    print("| whole step (and intake) | " + " | ".join(f"{t['step'] + t['intake']:.2f}" for t in results.values()) + " |")
+    print("| whole step (and intake) | " + " | ".join(f"{whole(t):.2f}" for t in results.values()) + " |")
     print("| of which in the layer stack's one C++ call | "
           + " | ".join(f"{t['layer stack']:.2f}" for t in results.values()) + " |")
 

@@ -60,7 +60,8 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="only time the kernels' first builds (an empty cache)")
     args = p.parse_args()
     if args.cold:
-        return cold_builds()
+        cold_builds()
+        return
     configs = {"fast paths on (defaults)": {}, "fast paths off": FAST_PATHS_OFF}
     for env in configs.values():   # untimed: builds what a first start builds
         start_once(env, args.timeout)

@@ -122,7 +122,8 @@ def register_backend(name: str) -> Callable:
     return deco
 
 
-_BUILTIN = {"torch": "torch_ref", "triton": "triton_paged", "flash": "flash"}   # backend name: the module registering it
+# the built-in backends: name -> the module whose import registers it
+_BUILTIN = {"torch": "torch_ref", "triton": "triton_paged", "flash": "flash"}
 
 
 def available_backends() -> list[str]:
