@@ -58,9 +58,14 @@ struct Tiles {
   struct Config { uint8_t palette = 1, start = 0, pad[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
   alignas(64) Config saved;
   explicit Tiles(unsigned short_tiles = 0, int rows = 16) {
+    // GCC 12 does not count sttilecfg / ldtilecfg as touching their 64 bytes: where this was not inlined it dropped
+    // cfg's stores below as dead and loaded an invalid configuration (SIGSEGV). The barriers order every access.
+    asm volatile("" : : "r"(&saved) : "memory");
     _tile_storeconfig(&saved);
+    asm volatile("" : : "r"(&saved) : "memory");
     Config cfg;
     for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = (short_tiles >> i) & 1 ? (uint8_t)rows : 16; }
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
   }
   ~Tiles() { if (saved.palette) _tile_loadconfig(&saved); else _tile_release(); }
