@@ -13,6 +13,10 @@ instruction) far from the limit. The engine uses it up to :data:`MAX_ROWS` rows,
 for bit (see :class:`AmxLinear`); the op itself takes any row count (tests/kernels/test_amx_linear.py checks both
 paths against float64 and oneDNN; benchmarks/cpu_kernels.py times it against oneDNN at 1-512 rows).
 
+The weight can also be held in its lossless 12-bit form (``pack_lossless``: kernels/bf16_codec.py): up to 32 rows
+the kernel decodes a column block's next tile while AMX multiplies the current one (``coded_tiles``), above it
+decodes whole blocks first; the products are those over the plain tiles, bit for bit.
+
 Built on first use (kernels/cpp_build.py) where the CPU has AMX-BF16 and the OS grants it; elsewhere, on a build
 failure or with ``PDSERVE_CPU_AMX_LINEAR=0``, bf16 linears stay on oneDNN's packed kernel.
 """
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpp_build
+from pdserve.kernels.bf16_codec import CODEC
 from pdserve.kernels.cpu_simd import AMX_HELPERS, TRANSPOSE16
 from pdserve.kernels.packed_linear import PackedLinear
 
@@ -39,6 +44,7 @@ SOURCE = r"""
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -49,7 +55,7 @@ SOURCE = r"""
 
 namespace {
 #ifdef PD_AMX
-""" + AMX_HELPERS + TRANSPOSE16 + r"""
+""" + AMX_HELPERS + TRANSPOSE16 + CODEC + r"""
 
 // C tiles 0..MT-1 += A rows (16 per tile, lda elements apart) x one column block's B tiles, over kb K-blocks of 32.
 template <int MT>
@@ -116,6 +122,37 @@ void tiles21(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t kb, flo
   }
   _tile_stored(0, c, 64); _tile_stored(2, c + 512, 64);
 }
+
+// Coded weights (kernels/bf16_codec.py), up to 32 rows: C tiles 0 (rows 0-15), 2 (16-31) of block 0 and 1, 3 of
+// block 1 (NB = 2) += A rows (tiles 4, 5) x each block's B tile (6, 7). Each K step decodes the blocks' next tiles
+// into a two-step ring while AMX multiplies the current ones, and asks for the coded tiles three steps ahead.
+template <int NB, bool TWO>
+void coded_tiles(const uint16_t* a, int64_t lda, CodedBlock* cb, int64_t kb, float* c) {
+  alignas(64) uint16_t ring[2][NB][512];
+  for (int n = 0; n < NB; n++) decode_tile(cb[n], 0, ring[0][n]);
+  _tile_zero(0); _tile_zero(2);
+  if constexpr (NB == 2) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t k = 0; k < kb; k++) {
+    _tile_loadd(6, ring[k & 1][0], 64);
+    if constexpr (NB == 2) _tile_loadd(7, ring[k & 1][1], 64);
+    _tile_loadd(4, a + k * 32, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, a + 16 * lda + k * 32, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+    if (k + 1 < kb)
+      for (int n = 0; n < NB; n++) {
+        for (int l = 0; l < kCodedTile / 64; l++) _mm_prefetch((const char*)(cb[n].tiles + (k + 4) * kCodedTile + l * 64), _MM_HINT_T0);
+        decode_tile(cb[n], k + 1, ring[(k + 1) & 1][n]);
+      }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (TWO) { _tile_stored(2, c + 512, 64); if constexpr (NB == 2) _tile_stored(3, c + 768, 64); }
+}
 #endif
 
 bool available() {
@@ -157,10 +194,79 @@ at::Tensor pack(const at::Tensor& w) {
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N) {
+// (N, K) bf16 -> its packed tiles in the lossless coded form (kernels/bf16_codec.py): codes (N/16, K/32, 768) uint8
+// and meta int32 (the blocks' tables, where their exceptions start, the exceptions)
+std::tuple<at::Tensor, at::Tensor> pack_lossless(const at::Tensor& w) {
+  const at::Tensor p = pack(w);
+  const int64_t nb = p.size(0), kb = p.size(1);
+  TORCH_CHECK(kb * 512 < (int64_t(1) << 23), "w: K too large for the coded form's exception indices");
+  at::Tensor codes = at::empty({nb, kb, 768}, w.options().dtype(at::kByte));
+  std::vector<std::vector<int32_t>> exc(nb);
+  std::vector<uint8_t> tables(nb * 16);
+#ifdef PD_AMX
+  at::parallel_for(0, nb, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++)
+      encode_block((const uint16_t*)p.data_ptr() + j * kb * 512, kb, codes.data_ptr<uint8_t>() + j * kb * 768,
+                   tables.data() + 16 * j, exc[j]);
+  });
+#endif
+  int64_t at_ = 5 * nb + 1;
+  for (const auto& e : exc) at_ += e.size();
+  TORCH_CHECK(at_ < (int64_t(1) << 31), "w: too many exceptions for int32 offsets");
+  at::Tensor meta = at::empty({at_}, w.options().dtype(at::kInt));
+  int32_t* m = meta.data_ptr<int32_t>();
+  std::memcpy(m, tables.data(), tables.size());
+  at_ = 5 * nb + 1;
+  for (int64_t j = 0; j < nb; j++) {
+    m[4 * nb + j] = int32_t(at_);
+    std::copy(exc[j].begin(), exc[j].end(), m + at_);
+    at_ += exc[j].size();
+  }
+  m[5 * nb] = int32_t(at_);
+  return {codes, meta};
+}
+
+// Checks a coded weight (from pack_lossless) against its shape, so that decoding never reads or writes outside it.
+void check_coded(const at::Tensor& codes, const at::Tensor& meta) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 768,
+              "wp: a coded weight (N/16, K/32, 768) uint8");
+  const int64_t nb = codes.size(0), kb = codes.size(1), E = meta.numel();
+  TORCH_CHECK(meta.dim() == 1 && meta.scalar_type() == at::kInt && meta.is_contiguous() && E >= 5 * nb + 1,
+              "meta: the coded weight's int32 tables, offsets and exceptions");
+  const int32_t* m = meta.data_ptr<int32_t>();
+  TORCH_CHECK(m[4 * nb] == 5 * nb + 1 && m[5 * nb] == E, "meta: exception offsets outside it");
+  for (int64_t j = 0; j < nb; j++) {
+    TORCH_CHECK(m[4 * nb + j] <= m[4 * nb + j + 1], "meta: exception offsets out of order");
+    for (int32_t e = m[4 * nb + j], last = -1; e < m[4 * nb + j + 1]; last = m[e] >> 8, e++)
+      TORCH_CHECK(m[e] >= 0 && (m[e] >> 8) > last && (m[e] >> 8) < kb * 512, "meta: an exception outside its block or out of order");
+  }
+}
+
+// The coded weight back to pack's tiles (N/16, K/32, 16, 32) bf16.
+at::Tensor unpack_lossless(const at::Tensor& codes, const at::Tensor& meta) {
+  check_coded(codes, meta);
+  const int64_t nb = codes.size(0), kb = codes.size(1);
+  at::Tensor out = at::empty({nb, kb, 16, 32}, codes.options().dtype(at::kBFloat16));
+#ifdef PD_AMX
+  at::parallel_for(0, nb, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
+      CodedBlock cb = coded_block(codes.data_ptr<uint8_t>(), meta.data_ptr<int32_t>(), nb, kb, j);
+      for (int64_t k = 0; k < kb; k++) decode_tile(cb, k, (uint16_t*)out.data_ptr() + (j * kb + k) * 512);
+    }
+  });
+#endif
+  return out;
+}
+
+// x (M, K) @ w.T (+ bias) -> (M, N) bf16; w as pack's tiles, or (meta given) pack_lossless's codes
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
+                  const c10::optional<at::Tensor>& meta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 (M, K)");
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
-              wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
+  if (meta.has_value())
+    check_coded(wp, *meta);
+  else
+    TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
+                wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
   const int64_t M = x.size(0), K = x.size(1), nb = wp.size(0), kb = wp.size(1);
   TORCH_CHECK(kb == (K + 31) / 32 && nb == (N + 15) / 16, "x: K of the packed weight; N: its rows");
   at::Tensor b32;
@@ -191,7 +297,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
     std::memset(dst + M * Kp, 0, (Mp - M) * Kp * sizeof(uint16_t));
     a = dst;
   }
-  const uint16_t* b = (const uint16_t*)wp.data_ptr();
+  const uint8_t* codes = meta.has_value() ? wp.data_ptr<uint8_t>() : nullptr;
+  const int32_t* mp = meta.has_value() ? meta->data_ptr<int32_t>() : nullptr;
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   uint16_t* o = (uint16_t*)out.data_ptr();
   // Rows r of tile c (16 x 16 floats) plus the bias, rounded to bf16, into rows m0.. of column block j.
@@ -213,30 +320,57 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
   const int64_t share = steal ? nb * 3 / 4 / nt / 2 * 2 : 0;
   std::atomic<int64_t> next{steal ? share * nt : nb};
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    // the last row tile's C and A tiles: tiles<1>'s, or (17-31 rows) tiles22's and tiles21's
-    Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 4, tail) : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
+    // the last row tile's C and A tiles: tiles<1>'s (and coded_tiles' second block's), or (17-31 rows) tiles22's and
+    // tiles21's
+    Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 1 | 1u << 4, tail) : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
     alignas(64) float c[4 * 256];
+    static thread_local std::vector<uint16_t> decoded;   // coded weights over 32 rows: a block pair decoded whole
+    auto block = [&](int64_t j, int64_t slot) -> const uint16_t* {   // column block j's tiles
+      if (!codes) return (const uint16_t*)wp.data_ptr() + j * kb * 512;
+      decoded.resize(2 * kb * 512);
+      CodedBlock cb = coded_block(codes, mp, nb, kb, j);
+      for (int64_t k = 0; k < kb; k++) decode_tile(cb, k, decoded.data() + (slot * kb + k) * 512);
+      return decoded.data() + slot * kb * 512;
+    };
+    auto coded = [&](const int64_t j0, const int64_t j1) {   // coded weights, up to 32 rows: decoded as streamed
+      int64_t j = j0;
+      for (; j + 1 < j1; j += 2) {
+        CodedBlock cb[2] = {coded_block(codes, mp, nb, kb, j), coded_block(codes, mp, nb, kb, j + 1)};
+        if (Mp == 32) { coded_tiles<2, true>(a, Kp, cb, kb, c); store(c + 512, 16, j); store(c + 768, 16, j + 1); }
+        else coded_tiles<2, false>(a, Kp, cb, kb, c);
+        store(c, 0, j); store(c + 256, 0, j + 1);
+      }
+      for (; j < j1; j++) {
+        CodedBlock cb[1] = {coded_block(codes, mp, nb, kb, j)};
+        if (Mp == 32) { coded_tiles<1, true>(a, Kp, cb, kb, c); store(c + 512, 16, j); }
+        else coded_tiles<1, false>(a, Kp, cb, kb, c);
+        store(c, 0, j);
+      }
+    };
     auto run = [&](const int64_t j0, const int64_t j1) {   // column blocks [j0, j1)
+      if (codes && Mp <= 32) return coded(j0, j1);
       int64_t j = j0;
       if (Mp >= 32)   // each column block pair is read from L1/L2 once per 32 rows
-        for (; j + 1 < j1; j += 2)
+        for (; j + 1 < j1; j += 2) {
+          const uint16_t *b0 = block(j, 0), *b1 = block(j + 1, 1);
           for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
             if (Mp - m0 < 32) {
-              tiles<1>(a + m0 * Kp, Kp, b + j * kb * 512, kb, c);
-              tiles<1>(a + m0 * Kp, Kp, b + (j + 1) * kb * 512, kb, c + 256);
+              tiles<1>(a + m0 * Kp, Kp, b0, kb, c);
+              tiles<1>(a + m0 * Kp, Kp, b1, kb, c + 256);
               store(c, m0, j); store(c + 256, m0, j + 1);
               continue;
             }
-            tiles22(a + m0 * Kp, Kp, b + j * kb * 512, b + (j + 1) * kb * 512, kb, c);
+            tiles22(a + m0 * Kp, Kp, b0, b1, kb, c);
             store(c, m0, j); store(c + 256, m0, j + 1); store(c + 512, m0 + 16, j); store(c + 768, m0 + 16, j + 1);
           }
+        }
       if (Mp == 32)
-        for (; j < j1; j++) { tiles21(a, Kp, b + j * kb * 512, kb, c); store(c, 0, j); store(c + 512, 16, j); }
-      for (; j < j1; j++)   // few rows: each column block is streamed from memory once
+        for (; j < j1; j++) { tiles21(a, Kp, block(j, 0), kb, c); store(c, 0, j); store(c + 512, 16, j); }
+      for (; j < j1; j++) {   // few rows: each column block is streamed from memory once
+        const uint16_t* bj = block(j, 0);
         for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
           const int64_t mt = std::min<int64_t>(4, (Mp - m0) / 16);
           const uint16_t* am = a + m0 * Kp;
-          const uint16_t* bj = b + j * kb * 512;
           switch (mt) {
             case 1: tiles<1>(am, Kp, bj, kb, c); break;
             case 2: tiles<2>(am, Kp, bj, kb, c); break;
@@ -245,6 +379,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
           }
           for (int64_t i = 0; i < mt; i++) store(c + i * 256, m0 + 16 * i, j);
         }
+      }
     };
     for (int64_t t = t0; t < t1; t++)
       if (steal) run(t * share, (t + 1) * share); else run(nb * t / nt, nb * (t + 1) / nt);
@@ -260,9 +395,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
 TORCH_LIBRARY(pdserve_amx_linear, m) {
   m.def("available() -> bool");
   m.def("pack(Tensor w) -> Tensor");
-  m.def("linear(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor");
+  m.def("pack_lossless(Tensor w) -> (Tensor, Tensor)");
+  m.def("unpack_lossless(Tensor codes, Tensor meta) -> Tensor");
+  m.def("linear(Tensor x, Tensor wp, Tensor? bias, int n, Tensor? meta=None) -> Tensor");
   m.impl("available", available);
   m.impl("pack", c10::DispatchKey::CPU, TORCH_FN(pack));
+  m.impl("pack_lossless", c10::DispatchKey::CPU, TORCH_FN(pack_lossless));
+  m.impl("unpack_lossless", c10::DispatchKey::CPU, TORCH_FN(unpack_lossless));
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
 }
 """
@@ -286,27 +425,42 @@ MAX_ROWS = 32   # up to here its output equals oneDNN's bit for bit; above, oneD
 class AmxLinear(nn.Module):
     """``x (..., K) -> x @ w.T + b (..., N)`` in bf16: up to :data:`MAX_ROWS` rows (decode) on this kernel, more
     (prefill) on oneDNN's packed kernel. ``w`` is held in both packed layouts (attributes, not parameters: they never
-    enter a state dict or a device move), so dense weights take twice their size in memory.
+    enter a state dict or a device move): the kernel's as ``packed`` tiles, or with ``lossless`` (the default unless
+    ``PDSERVE_CPU_AMX_LOSSLESS=0``) as ``codes`` and ``meta``, their lossless 12-bit form (kernels/bf16_codec.py),
+    3/4 of the bytes and the same outputs. So dense weights take 1.75-2x their size in memory.
 
     Why not this kernel for every row count: it is as fast as oneDNN from 128 rows on, but above 32 rows oneDNN's
     blocking changes its summation order and this kernel's does not, and the ~1e-4 of outputs that then round 1 bf16
     ulp apart moved the bf16 engine's teacher-forced agreement with transformers bf16 from 0.992 to 0.984
     (tests/runtime/test_dtype_default.py). Up to 32 rows the two are bit-equal, so nothing changes but speed."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lossless: bool | None = None) -> None:
+        from pdserve.runtime import envs
+
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.pdserve_amx_linear.pack(weight.detach())
+        self.packed = self.codes = self.meta = None
+        if envs.cpu_amx_lossless() if lossless is None else lossless:
+            self.codes, self.meta = torch.ops.pdserve_amx_linear.pack_lossless(weight.detach())
+        else:
+            self.packed = torch.ops.pdserve_amx_linear.pack(weight.detach())
         self.onednn = PackedLinear(weight, bias)
-        self.opaque_weight_bytes = self.packed.nbytes   # for quantization.weight_bytes (oneDNN's copy counts itself)
+        self.opaque_weight_bytes = sum(t.nbytes for t in (self.packed, self.codes, self.meta) if t is not None)
         self.bias = self.onednn.bias
+
+    @property
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the kernel's ``linear`` op takes as (``wp``, ``meta``): the tiles and None, or the codes and meta."""
+        return (self.packed, None) if self.packed is not None else (self.codes, self.meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > MAX_ROWS:
             return self.onednn(x)
-        out = torch.ops.pdserve_amx_linear.linear(rows, self.packed, self.bias, self.out_features)
+        wp, meta = self.kernel_weight
+        out = torch.ops.pdserve_amx_linear.linear(rows, wp, self.bias, self.out_features, meta)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"lossless={self.codes is not None}")

@@ -253,12 +253,13 @@ def load_extension() -> str | None:
 
 
 def for_model(model: torch.nn.Module) -> GreedyHead | None:
-    """A :class:`GreedyHead` for ``model``'s LM head where it applies (an AMX head without bias, no quantized head,
-    the screen built here and not switched off), else None."""
+    """A :class:`GreedyHead` for ``model``'s LM head where it applies (an AMX head in plain tiles without bias, no
+    quantized head, the screen built here and not switched off), else None."""
     from pdserve.runtime import envs
 
     head = getattr(model, "lm_head", None)
-    if (type(head) is not amx_linear.AmxLinear or head.bias is not None or getattr(model, "quant_head", None) is not None
+    if (type(head) is not amx_linear.AmxLinear or head.packed is None or head.bias is not None
+            or getattr(model, "quant_head", None) is not None
             or not envs.cpu_greedy_head() or load_extension() is not None):
         return None
     return GreedyHead(head)

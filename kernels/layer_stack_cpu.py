@@ -44,7 +44,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t);
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t, const OptT&);
 using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double);
 using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using SiluMul = at::Tensor(const at::Tensor&);
@@ -71,17 +71,19 @@ void write_kv(uint16_t* dst, int64_t w, const at::Tensor& k, const at::Tensor& v
 }
 
 // h (T, hidden) bf16 through every layer; returns the residual stream after the last (before the final norm).
-// weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down] (linears packed for AMX); dims:
+// weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down] (linears packed for AMX, as tiles or
+// codes); metas: empty, or per layer the four linears' coded-weight meta (kernels/bf16_codec.py); dims:
 // [H, Hkv, D, n_qkv, n_o, n_gate_up, n_down]; kv_cache (num_blocks, layers, 2, bs, Hkv, D); kv_idx: the rows of the
 // cache's row view that take this step's K then V; dec_*: the decodes for the paged decode kernel (dec_rows: their rows
 // of q, absent when every row decodes); pf_*: the prefill chunks for the paged prefill kernel.
 at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                   at::TensorList weights, at::IntArrayRef dims, double eps, double scale, const at::Tensor& kv_idx,
+                   at::TensorList weights, at::TensorList metas, at::IntArrayRef dims, double eps, double scale, const at::Tensor& kv_idx,
                    const OptT& dec_rows, const OptT& dec_tables, const OptT& dec_lens, const OptT& pf_tables,
                    const OptT& pf_info) {
   static const Ops ops;
-  TORCH_CHECK(dims.size() == 7 && kv_cache.dim() == 6 && (int64_t)weights.size() == 6 * kv_cache.size(1),
-              "dims: 7 sizes; weights: 6 per layer of kv_cache");
+  TORCH_CHECK(dims.size() == 7 && kv_cache.dim() == 6 && (int64_t)weights.size() == 6 * kv_cache.size(1) &&
+              (metas.empty() || (int64_t)metas.size() == 4 * kv_cache.size(1)),
+              "dims: 7 sizes; weights: 6 per layer of kv_cache, metas: none or 4");
   TORCH_CHECK(dec_tables.has_value() == dec_lens.has_value() && pf_tables.has_value() == pf_info.has_value() &&
               (dec_tables.has_value() || pf_tables.has_value()) &&
               dec_rows.has_value() == (dec_tables.has_value() && pf_tables.has_value()),
@@ -97,13 +99,14 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
   const int64_t num_rows = (kv_cache.size(0) - 1) * (kv_cache.stride(0) / ks) + kv_cache.stride(2) / ks + kv_cache.size(3);
   for (int64_t t = 0; t < 2 * T; t++) TORCH_CHECK(idx[t] >= 0 && idx[t] < num_rows, "kv_idx: a row outside the cache");
   const OptT none;
+  auto meta = [&](int64_t i, int64_t l) { return metas.empty() ? none : OptT(metas[4 * i + l]); };   // linear l's
   at::Tensor h = h0, mlp;   // mlp: the previous layer's MLP output, added to h by this layer's fused add + RMSNorm
   for (int64_t i = 0; i < L; i++) {
     const at::Tensor* w = weights.data() + 6 * i;
     const at::Tensor kv_layer = kv_cache.select(1, i);
     at::Tensor x;
     std::tie(x, h) = i ? ops.rms_norm.call(mlp, h, w[0], eps) : ops.rms_norm.call(h, none, w[0], eps);
-    const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv);
+    const at::Tensor qkv = ops.linear.call(x, w[1], none, nqkv, meta(i, 0));
     const at::Tensor v = qkv.slice(1, qs + ks, nqkv).view({T, Hkv, D});
     const at::Tensor qk = ops.rope.call(qkv.slice(1, 0, qs + ks).view({T, H + Hkv, D}), cos, sin);
     const at::Tensor q = qk.slice(1, 0, H), k = qk.slice(1, H, H + Hkv);
@@ -117,17 +120,18 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
       if (dec_tables.has_value())
         o.index_copy_(0, *dec_rows, ops.decode.call(q.index_select(0, *dec_rows), kv_layer, *dec_tables, *dec_lens, scale));
     }
-    const at::Tensor a = ops.linear.call(o.reshape({T, qs}), w[2], none, no);
+    const at::Tensor a = ops.linear.call(o.reshape({T, qs}), w[2], none, no, meta(i, 1));
     at::Tensor x2;
     std::tie(x2, h) = ops.rms_norm.call(a, h, w[3], eps);
-    mlp = ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu)), w[5], none, nd);
+    mlp = ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu, meta(i, 2))), w[5], none, nd, meta(i, 3));
   }
   return h + mlp;
 }
 }  // namespace
 
 TORCH_LIBRARY(pdserve_layer_stack_cpu, m) {
-  m.def("forward(Tensor h, Tensor cos, Tensor sin, Tensor kv_cache, Tensor[] weights, int[] dims, float eps, "
+  m.def("forward(Tensor h, Tensor cos, Tensor sin, Tensor kv_cache, Tensor[] weights, Tensor[] metas, int[] dims, "
+        "float eps, "
         "float scale, Tensor kv_idx, Tensor? dec_rows, Tensor? dec_tables, Tensor? dec_lens, Tensor? pf_tables, "
         "Tensor? pf_info) -> Tensor");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
@@ -151,18 +155,20 @@ class LayerStack:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.steps = 0
-        self._plain: tuple[Any, tuple[list[torch.Tensor], list[int]] | None] | None = None   # (first qkv, _scan())
+        self._plain: tuple[Any, tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None] | None = None   # (first qkv, _scan())
 
-    def _plain_layers(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, the op's dims), or None unless every layer is
-        the plain path; scanned again only when the linears were replaced (quantization and LoRA replace them all)."""
+    def _plain_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None:
+        """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, their linears' coded-weight metas or [], the
+        op's dims), or None unless every layer is the plain path, its linears all coded or all plain tiles; scanned
+        again only when the linears were replaced (quantization and LoRA replace them all)."""
         first = self.model.layers[0].self_attn.qkv_proj
         if self._plain is None or self._plain[0] is not first:
             self._plain = (first, self._scan())
         return self._plain[1]
 
-    def _scan(self) -> tuple[list[torch.Tensor], list[int]] | None:
+    def _scan(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None:
         weights: list[torch.Tensor] = []
+        metas: list[torch.Tensor] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -170,13 +176,17 @@ class LayerStack:
             if (attn.q_norm is not None or any(n.dtype != torch.bfloat16 for n in norms)
                     or any(type(m) is not amx_linear.AmxLinear or m.bias is not None for m in lins)):
                 return None
-            weights += [norms[0], lins[0].packed, lins[1].packed, norms[1], lins[2].packed, lins[3].packed]
+            (q, q_meta), (o, o_meta), (gu, gu_meta), (d, d_meta) = (m.kernel_weight for m in lins)
+            weights += [norms[0], q, o, norms[1], gu, d]
+            metas += [m for m in (q_meta, o_meta, gu_meta, d_meta) if m is not None]
+        if metas and len(metas) != 4 * len(self.model.layers):
+            return None
         a, l0 = self.model.args, self.model.layers[0]
         dims = [a.num_heads, a.num_kv_heads, a.head_dim, *(m.out_features for m in (
             l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj))]
         if dims[5] % 32 or a.head_dim % 32:   # the fused SiLU * up and RoPE take halves of whole vectors (else eager)
             return None
-        return weights, dims
+        return weights, metas, dims
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:

@@ -82,16 +82,18 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         log.info("dense GEMMs: F.linear (%s)", reason)
         return 0
     kind, kernel = _kernel(dtype)
+    # the LM head stays in the AMX kernel's plain tiles: the greedy head (kernels/greedy_head_cpu.py) reads them
+    head = {} if kind is PackedLinear else {"lossless": False}
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in _DTYPES:
-                setattr(parent, name, kind(child.weight, child.bias))
+                setattr(parent, name, kind(child.weight, child.bias, **(head if parent is model and name == "lm_head" else {})))
                 count += 1
     embed = getattr(model, "embed_tokens", None)
     if (hasattr(model, "lm_head") and model.lm_head is None and getattr(model, "quant_head", None) is None
             and type(embed) is nn.Embedding and embed.weight.dtype in _DTYPES):
-        model.lm_head = kind(embed.weight, None)   # a copy: the embedding lookup keeps the plain rows
+        model.lm_head = kind(embed.weight, None, **head)   # a copy: the embedding lookup keeps the plain rows
         count += 1
     log.info("dense GEMMs: %d linears packed for %s (%s)", count, kernel, str(dtype).removeprefix("torch."))
     return count

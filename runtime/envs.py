@@ -75,6 +75,12 @@ def cpu_amx_linear() -> bool:
     return _switched_on("PDSERVE_CPU_AMX_LINEAR")
 
 
+def cpu_amx_lossless() -> bool:
+    """Whether the AMX kernel holds decode's bf16 weights in their lossless 12-bit form, read 1/4 faster with the
+    same bits (PDSERVE_CPU_AMX_LOSSLESS, default on; ``0`` keeps the plain bf16 tiles: kernels/bf16_codec.py)."""
+    return _switched_on("PDSERVE_CPU_AMX_LOSSLESS")
+
+
 def cpu_decode_attention() -> str:
     """PDSERVE_CPU_DECODE_ATTENTION: ``paged`` (default: the C++ kernel reading K/V blocks in place,
     kernels/paged_decode_cpu.py) or ``torch`` (padded gathers and GEMMs, kernels/torch_ref.py)."""

@@ -21,7 +21,7 @@ def _bf16(*shape, seed=0, scale=1.0):
 
 
 def _heads(w: torch.Tensor) -> tuple[amx_linear.AmxLinear, greedy_head_cpu.GreedyHead]:
-    head = amx_linear.AmxLinear(w, None)
+    head = amx_linear.AmxLinear(w, None, lossless=False)   # an LM head: plain tiles (packed_linear.pack_linears)
     return head, greedy_head_cpu.GreedyHead(head)
 
 

@@ -1,7 +1,8 @@
 """The bf16 CPU layer stack (kernels/layer_stack_cpu.py): the same engine, the same requests, once on the modules and
 once with the stack; every token and every logprob equal bit for bit, over steps the stack served of every kind
 (prefill only, decode only, decodes beside a new prompt, a chunk after a cached prefix) and steps it must leave to the
-modules (more than 32 tokens); bad arguments to its op are errors."""
+modules (more than 32 tokens), with the linears' weights coded (the default) or in plain tiles; bad arguments to its op
+are errors."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ needs_stack = pytest.mark.skipif(BUILD is not None, reason=f"the stack or a kern
 LONG = [(37 * i) % 9000 + 200 for i in range(100)]   # token ids; 100 tokens: a prefill the modules run (> 32 rows)
 
 
-def _run(monkeypatch, stack: str) -> tuple[dict, int, list[tuple[bool, bool, bool]], int]:
+def _run(monkeypatch, stack: str, lossless: str) -> tuple[dict, int, list[tuple[bool, bool, bool]], int]:
     """Requests arriving over the steps of one bf16 engine -> (their token ids, logprobs and cached tokens, steps the
     stack served, per served step: (decodes, prefill chunks, a chunk after a cached prefix), the engine's steps)."""
     from pdserve.runtime import LLM, SamplingParams
 
     monkeypatch.setenv("PDSERVE_CPU_LAYER_STACK", stack)
+    monkeypatch.setenv("PDSERVE_CPU_AMX_LOSSLESS", lossless)
     kinds = []
     real = layer_stack_cpu.LayerStack.__call__
 
@@ -51,15 +53,18 @@ def _run(monkeypatch, stack: str) -> tuple[dict, int, list[tuple[bool, bool, boo
                 if o.finished:
                     done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].logprobs, o.num_cached_tokens)
             step += 1
+        qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+        assert (qkv.codes is not None) == (lossless == "1") and (qkv.packed is None) == (lossless == "1")
         return done, engine.runner.model.layer_stack.steps, kinds, step
     finally:
         llm.shutdown()
 
 
 @needs_stack
-def test_the_stack_equals_the_modules_bit_for_bit_on_every_kind_of_step(monkeypatch):
-    modules, off_steps, _, _ = _run(monkeypatch, "0")
-    stacked, on_steps, kinds, steps = _run(monkeypatch, "1")
+@pytest.mark.parametrize("lossless", ["1", "0"])
+def test_the_stack_equals_the_modules_bit_for_bit_on_every_kind_of_step(monkeypatch, lossless):
+    modules, off_steps, _, _ = _run(monkeypatch, "0", lossless)
+    stacked, on_steps, kinds, steps = _run(monkeypatch, "1", lossless)
     assert off_steps == 0
     assert sorted(stacked) == ["a", "b", "c", "cached", "d", "long"]
     assert stacked["cached"][2] == 96 and modules["cached"][2] == 96
@@ -81,16 +86,19 @@ def test_bad_arguments_are_errors_not_crashes():
     idx = torch.zeros(4, dtype=torch.long)
     op = torch.ops.pdserve_layer_stack_cpu.forward
     with pytest.raises(RuntimeError, match="weights: 6 per layer"):
-        op(h, cos, sin, cache, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None, None)
+        op(h, cos, sin, cache, [], [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None, None)
     weights = [torch.zeros(1)] * 6
+    with pytest.raises(RuntimeError, match="metas: none or 4"):   # coded linears: all four of a layer's metas
+        op(h, cos, sin, cache, weights, [torch.zeros(1)] * 3, [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None,
+           None, None, None, None)
     with pytest.raises(RuntimeError, match="decodes need tables and lens"):
-        op(h, cos, sin, cache, weights, [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None, None)
+        op(h, cos, sin, cache, weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None, None)
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="a row outside the cache"):   # never a write outside the cache
-        op(h, cos, sin, cache, weights, [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, torch.tensor([0, 1, 2, 128]),
+        op(h, cos, sin, cache, weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, torch.tensor([0, 1, 2, 128]),
            None, tables, lens, None, None)
     with pytest.raises(RuntimeError, match="kv_cache: bf16"):
-        op(h, cos, sin, cache.float(), weights, [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, tables, lens,
+        op(h, cos, sin, cache.float(), weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, tables, lens,
            None, None)
 
 
