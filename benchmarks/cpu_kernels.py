@@ -10,6 +10,8 @@
   engine-shaped bf16 cache, 1-64 sequences.
 - Decode's linears (kernels/amx_linear.py, AMX) vs oneDNN's packed linear (kernels/packed_linear.py): all 121 dense
   linears of the default model at 1-512 rows (the engine uses the AMX kernel up to 32 rows).
+- ``--lossless``: the AMX linear over the default model's 120 real decoder weights in plain bf16 tiles vs their
+  lossless 12-bit form (kernels/bf16_codec.py), 1-32 rows, alternated, outputs compared bit for bit.
 - The fused elementwise ops (kernels/fused_cpu.py) vs the eager chains: RMSNorm, residual add + RMSNorm, RoPE on the
   q/k view, SiLU(gate) * up, at 32, 512 and 2,048 rows (hidden 576, intermediate 1,536).
 
@@ -17,6 +19,7 @@
     python benchmarks/cpu_kernels.py --compare-decode <git revision>   # the decode kernel then vs now
     python benchmarks/cpu_kernels.py --compare-prefill <git revision>  # the prefill kernel then vs now
     python benchmarks/cpu_kernels.py --compare-linear <git revision>   # the AMX linear then vs now
+    python benchmarks/cpu_kernels.py --lossless                        # plain tiles vs the coded weights
 """
 
 from __future__ import annotations
@@ -215,6 +218,45 @@ def linears_vs(ref_op, rows: int, repeat: int) -> tuple[float, float, bool]:
     return ref_ms, new_ms, all(torch.equal(a, b) for a, b in zip(run(ops[0]), run(ops[1])))
 
 
+def lossless(repeat: int) -> None:
+    """The default model's decoder linears on the AMX kernel, plain tiles vs the lossless form, at 1-32 rows."""
+    from safetensors import safe_open
+
+    from pdserve.runtime.model_loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def t(i: int, name: str) -> torch.Tensor:
+        return tensors[f"model.layers.{i}.{name}.weight"].bfloat16()
+
+    weights = []   # as the engine fuses them: q/k/v, o, gate/up, down
+    for i in range(len({k.split(".")[2] for k in tensors if k.startswith("model.layers.")})):
+        weights += [torch.cat([t(i, "self_attn.q_proj"), t(i, "self_attn.k_proj"), t(i, "self_attn.v_proj")]),
+                    t(i, "self_attn.o_proj"), torch.cat([t(i, "mlp.gate_proj"), t(i, "mlp.up_proj")]),
+                    t(i, "mlp.down_proj")]
+    ops = torch.ops.pdserve_amx_linear
+    plain = [(ops.pack(w), None) for w in weights]
+    coded = [ops.pack_lossless(w) for w in weights]
+    plain_mb, coded_mb = (sum(a.nbytes + (0 if b is None else b.nbytes) for a, b in f) / 1e6 for f in (plain, coded))
+    excs = sum(m.numel() - 5 * c.shape[0] - 1 for c, m in coded)
+    print(f"{len(weights)} decoder linears: plain tiles {plain_mb:.1f} MB, coded {coded_mb:.1f} MB "
+          f"({coded_mb / plain_mb:.3f}), {excs} exceptions of {sum(w.numel() for w in weights)} words")
+    print(f"{'rows':44s} {'plain ms':>9s} {'coded ms':>9s}")
+    for rows in (1, 8, 16, 24, 32):
+        xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16() for k in (576, 1536)}
+
+        def run(form) -> list[torch.Tensor]:
+            return [ops.linear(xs[w.shape[1]], wp, None, w.shape[0], meta) for w, (wp, meta) in zip(weights, form)]
+
+        rounds = [[timed(lambda: run(form), repeat) for form in (plain, coded)] for _ in range(3)]   # alternated
+        p_ms, c_ms = (min(col) for col in zip(*rounds))
+        same = all(torch.equal(a, b) for a, b in zip(run(plain), run(coded)))
+        print(f"  {f'{rows} rows':42s} {p_ms:9.2f} {c_ms:9.2f} {p_ms / c_ms:7.2f}x  ({plain_mb / p_ms:.1f} / "
+              f"{coded_mb / c_ms:.1f} GB/s read)  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -222,6 +264,7 @@ def main() -> None:
     p.add_argument("--compare-decode", metavar="REF", help="only the decode kernel: git revision REF's vs this tree's")
     p.add_argument("--compare-prefill", metavar="REF", help="only the prefill kernel: git revision REF's vs this tree's")
     p.add_argument("--compare-linear", metavar="REF", help="only the AMX linear: git revision REF's vs this tree's")
+    p.add_argument("--lossless", action="store_true", help="only the AMX linear: plain tiles vs the coded weights")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -251,6 +294,8 @@ def main() -> None:
             r, k, same = prefill_vs(ref_op, q_lens, seq_lens, max(3, args.repeat // 4))
             print(f"  {name:42s} {r:9.2f} {k:9.2f} {r / k:7.2f}x  {'bit-equal' if same else 'OUTPUTS DIFFER'}")
         return
+    if args.lossless:
+        return lossless(args.repeat)
     if args.compare_linear:
         ref_op = kernel_of(args.compare_linear, "amx_linear", "pdserve_amx_linear", "linear", amx_linear.NEEDS)
         print(f"{'all 121 linears, AMX':44s} {args.compare_linear[:9]:>9s} {'this tree':>9s}")
