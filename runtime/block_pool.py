@@ -7,8 +7,14 @@ tail; new blocks come from the head. A free block keeps its hash (and stays a pr
 only then is it evicted from the map and a ``BlockRemoved`` event emitted. Callers free a request's blocks in reverse
 order so that the tail of a sequence (the longest prefix, least likely to be shared) is evicted first.
 
+A cached block after the first of its sequence is also indexed under (its parent's hash, its first token), so a
+request whose next block only begins like a cached one finds that block's leading tokens (``partial_hit``): their KV
+depends only on the tokens before them, so the request may copy it rather than recompute it (SGLang's radix cache
+reuses KV at token granularity the same way). The first block has no such index: its hash alone carries the cache
+salt and the LoRA adapter (runtime/block_hash.py).
+
 Invariants: ``ref_cnt == 0`` <=> the block is in the free queue; ``block_hash is not None`` <=> the block is in
-``cached`` under that hash. The pool never touches tensors.
+``cached`` under that hash (and, with a parent, in ``children``). The pool never touches tensors.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from pdserve.runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.parent: BlockHash | None = None          # while cached: its parent's hash, and its tokens
+        self.token_ids: tuple[int, ...] = ()
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -79,6 +87,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.children: dict[tuple[BlockHash, int], dict[BlockHash, KVBlock]] = {}   # (parent, first token) -> blocks
         self.events: list[KVEvent] = []
 
     # ---- asks ----------------------------------------------------------------------------------------------------
@@ -87,6 +96,23 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
+
+    def partial_hit(self, parent: BlockHash, token_ids: Sequence[int], max_candidates: int = 32
+                    ) -> tuple[KVBlock, int] | None:
+        """The cached block after ``parent`` that shares the longest run of leading tokens with ``token_ids`` (at
+        least one, at most ``len(token_ids)``), and that run's length; None without one. Looks at most
+        ``max_candidates`` blocks, so a prefix followed by many cached continuations costs a bounded lookup."""
+        if not self.enable_caching or not token_ids:
+            return None
+        best: tuple[KVBlock, int] | None = None
+        for i, block in enumerate(self.children.get((parent, token_ids[0]), {}).values()):
+            if i == max_candidates:
+                break
+            n = next((j for j, (a, b) in enumerate(zip(block.token_ids, token_ids)) if a != b),
+                     min(len(block.token_ids), len(token_ids)))
+            if best is None or n > best[1]:
+                best = (block, n)
+        return best
 
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free: they are evictable)."""
@@ -130,6 +156,9 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if parent is not None and token_ids:
+            block.parent, block.token_ids = parent, tuple(token_ids)
+            self.children.setdefault((parent, block.token_ids[0]), {})[block_hash] = block
         self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, lora_name))
         return True
 
@@ -142,8 +171,9 @@ class BlockPool:
         if self.free_queue.num_free != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash, block.parent, block.token_ids = None, None, ()
         self.cached.clear()
+        self.children.clear()
         self.events.append(AllBlocksCleared())
         return True
 
@@ -155,5 +185,13 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+            if block.parent is not None:
+                key = (block.parent, block.token_ids[0])
+                siblings = self.children.get(key, {})
+                if siblings.get(block.block_hash) is block:
+                    del siblings[block.block_hash]
+                    if not siblings:
+                        del self.children[key]
+                block.parent, block.token_ids = None, ()
             self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None

@@ -252,6 +252,7 @@ class LLMEngine:
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, kv_load_failures=s.kv_load_failures,
                            recomputed_tokens=s.recomputed_tokens, num_blocks=kv.num_blocks,
+                           prefix_cache_partial_hits=kv.partial_block_hits,
                            running_lora_adapters=sorted({r.lora_name for r in s.running if r.lora is not None}),
                            waiting_lora_adapters=sorted({r.lora_name for r in s.waiting if r.lora is not None}),
                            spec_decode=s.spec_stats.snapshot() if self.runner.proposer is not None else None)

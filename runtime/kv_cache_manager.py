@@ -4,6 +4,10 @@ A request's block table covers tokens ``0 .. num_tokens`` it has been allocated 
 ``table[p // block_size] * block_size + p % block_size``. Full blocks are published to the prefix cache only once their
 KV is computed (``cache_blocks`` after a step, or after a verified remote load), so a block still being written or
 loaded can never be another request's hit; a failed load therefore never has a second owner.
+
+Past its full-block hits a request may also take a cached block's leading tokens (``get_partial_hit``): its first new
+block then starts with a copy of their KV, which the runner makes before the step's forward (``take_copies``, in the
+scheduler's output); the source block stays referenced until the step's output comes back (``release_copy_sources``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of each request already published
         self.prefix_cache_queries = 0                 # tokens looked up (cumulative)
         self.prefix_cache_hits = 0                    # tokens found (cumulative)
+        self.partial_block_hits = 0                   # of them, tokens copied from a cached block's leading ones
+        self._copies: list[tuple[int, int, int]] = []   # this step's (source block, destination block, slots)
+        self._copy_sources: list[KVBlock] = []
 
     @property
     def num_blocks(self) -> int:
@@ -59,20 +66,47 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+    def get_partial_hit(self, request: Request, hits: list[KVBlock]) -> tuple[KVBlock, int] | None:
+        """After the full-block ``hits`` (at least one: the first block has no index, see runtime/block_pool.py), the
+        cached block whose leading tokens continue the request furthest, and how many (never reaching the request's
+        last token); None without one. Takes no reference."""
+        if not self.enable_caching or not hits:
+            return None
+        start = len(hits) * self.block_size
+        end = min(start + self.block_size, request.num_tokens - 1)
+        if end <= start:
+            return None
+        return self.pool.partial_hit(hits[-1].block_hash, request.all_token_ids[start:end])
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int, num_partial_tokens: int = 0) -> None:
         """Count one admitted request's lookup (lookups of requests that then failed to fit are not counted)."""
         self.prefix_cache_queries += num_queried_tokens
         self.prefix_cache_hits += num_hit_tokens
+        self.partial_block_hits += num_partial_tokens
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The KV copies this step's allocations asked for: (source block, destination block, leading slots)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release_copy_sources(self) -> None:
+        """Drop the references that kept the step's copy sources from being reused before the copies ran."""
+        self.pool.free_blocks(self._copy_sources)
+        self._copy_sources = []
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = ()) -> bool:
         return self._num_needed(request, num_new_tokens, new_computed_blocks) >= 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = ()) -> list[KVBlock] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] = (),
+                       partial: tuple[KVBlock, int] | None = None) -> list[KVBlock] | None:
         """Take references on ``new_computed_blocks`` (prefix hits following the request's current blocks) and allocate
-        blocks so that ``num_computed_tokens + len(hits) * block_size + num_new_tokens`` tokens have slots. None (and no
+        blocks so that ``num_computed_tokens + len(hits) * block_size + num_new_tokens`` tokens have slots. With a
+        ``partial`` hit (:meth:`get_partial_hit`; its tokens counted in ``num_new_tokens``) the first new block gets a
+        copy of that block's leading KV, and the source a reference until :meth:`release_copy_sources`. None (and no
         change) when the pool cannot supply them."""
         free_after = self._num_needed(request, num_new_tokens, new_computed_blocks)
+        if partial is not None and partial[0].ref_cnt == 0:
+            free_after -= 1   # a free source stops being allocatable once referenced
         if free_after < 0:
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -83,8 +117,14 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(blocks)
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(blocks)
+        if partial is not None:
+            self.pool.touch([partial[0]])   # before the allocation, so that it is not evicted by it
+            self._copy_sources.append(partial[0])
+        first_new = len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        if partial is not None:
+            self._copies.append((partial[0].block_id, blocks[first_new].block_id, partial[1]))
         return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

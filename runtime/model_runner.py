@@ -87,7 +87,10 @@ class ModelRunner:
         self.greedy_head = greedy_head_cpu.for_model(model) if device.type == "cpu" else None
 
     def update_states(self, out: SchedulerOutput) -> None:
-        """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled)."""
+        """Apply the step's diffs to the persistent batch (every step, also when nothing is scheduled), and make its
+        KV block copies (every layer's K and V of the leading slots)."""
+        for src, dst, slots in out.kv_block_copies:
+            self.kv_cache[dst, :, :, :slots] = self.kv_cache[src, :, :, :slots]
         self.batch.update(out)
         if self.proposer is not None:
             self.proposer.forget(out.finished_req_ids.union(out.preempted_req_ids))

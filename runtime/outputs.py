@@ -67,6 +67,7 @@ class EngineStats:
     kv_load_failures: int
     recomputed_tokens: int
     num_blocks: int = 0
+    prefix_cache_partial_hits: int = 0   # of the hits, tokens copied from a cached block's leading ones (cumulative)
     running_lora_adapters: list[str] | None = None   # adapter names of running / waiting requests (LoRA enabled)
     waiting_lora_adapters: list[str] | None = None
     spec_decode: SpecDecodingStats | None = None   # None: speculative decoding is off

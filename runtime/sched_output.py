@@ -62,6 +62,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: Any = None     # pdserve.kv_connectors.base.KVConnectorMetadata, for load/save
+    # (source block, destination block, slots): KV the runner copies before the forward, a request's first new block
+    # taking the leading tokens of a cached block (runtime/kv_cache_manager.py get_partial_hit)
+    kv_block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

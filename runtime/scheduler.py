@@ -159,6 +159,7 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = n
             self.runner_view.add(out, req, self.kv.get_block_ids(req.request_id))
         out.finished_req_ids = self.runner_view.take_finished()
+        out.kv_block_copies = self.kv.take_copies()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
@@ -201,24 +202,28 @@ class Scheduler:
                 # A load covering the whole prompt still leaves its last token to compute (its logits are needed):
                 # it is recomputed, rewriting its slot in the loaded last block.
                 num_computed = min(num_local + num_external, req.num_tokens - 1)
+                # past the full blocks, the leading tokens of a cached block that begins the same way: copied
+                partial = None if num_external else self.kv.get_partial_hit(req, hits)
+                n_partial = partial[1] if partial else 0
+                num_computed += n_partial
             else:
-                num_computed = req.num_computed_tokens
+                num_computed, partial, n_partial = req.num_computed_tokens, None, 0
             num_new = req.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 self.waiting.appendleft(req)
                 break
             num_new = min(num_new, budget)
-            num_slots = req.num_tokens - num_local if num_external else num_new
-            if self.kv.allocate_slots(req, num_slots, hits) is None:
+            num_slots = req.num_tokens - num_local if num_external else num_new + n_partial
+            if self.kv.allocate_slots(req, num_slots, hits, partial) is None:
                 self.waiting.appendleft(req)
                 break
             if fresh:
-                self.kv.record_prefix_lookup(req.num_tokens, len(hits) * self.block_size)
+                self.kv.record_prefix_lookup(req.num_tokens, len(hits) * self.block_size + n_partial, n_partial)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
             req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
+            if req.num_cached_tokens < 0:   # the usage's cached_tokens: whole blocks only (README, side channel)
+                req.num_cached_tokens = num_computed - n_partial
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, num_new))
@@ -241,6 +246,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Advance counters by what ran, append sampled tokens, apply token-level stops. Returns the requests that
         progressed (got a token, finished, or failed) this step."""
+        self.kv.release_copy_sources()   # the step's KV copies ran before its forward
         touched: dict[str, Request] = {}
         invalid = set() if self.kv_transfers is None else self.kv_transfers.poll(self.running, self.requests)
         starts = out.num_computed_tokens()

@@ -137,3 +137,70 @@ def test_invalidate_drops_hashes():
     kv.invalidate_from(a, 1)
     assert kv.pool.get_cached_block(a.all_block_hashes[0]) is not None
     assert all(kv.pool.get_cached_block(h) is None for h in a.all_block_hashes[1:])
+
+
+def _cached(kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
+    """A request whose every full block is computed and published, then freed (its blocks stay cached)."""
+    r = req(rid, tokens)
+    kv.allocate_slots(r, len(tokens))
+    r.num_computed_tokens = len(tokens)
+    kv.cache_blocks(r, len(tokens))
+    kv.free(r)
+    return r
+
+
+def test_partial_hit_takes_a_cached_blocks_leading_tokens():
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    _cached(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])           # blocks 0 [1-4], 1 [5-8] cached, 2 holds [9]
+    b = req("b", [1, 2, 3, 4, 5, 6, 30, 31, 32])             # block 1 begins like a's: 5, 6
+    hits, n = kv.get_computed_blocks(b)
+    assert ids(hits) == [0] and n == 4
+    src, k = kv.get_partial_hit(b, hits)
+    assert src.block_id == 1 and k == 2
+    blocks = kv.allocate_slots(b, 5, hits, (src, k))          # slots for tokens 4..8: the 2 copied, 3 computed
+    assert ids(blocks)[0] == 0 and len(blocks) == 3 and 1 not in ids(blocks)
+    assert kv.take_copies() == [(1, blocks[1].block_id, 2)] and kv.take_copies() == []
+    assert src.ref_cnt == 1                                   # kept from reuse until the copy has run
+    kv.release_copy_sources()
+    assert src.ref_cnt == 0 and kv.pool.get_cached_block(src.block_hash) is src
+
+    c = req("c", [1, 2, 3, 4, 5, 6, 7, 8])                   # 2 full blocks, but its last token must be computed:
+    hits = kv.get_computed_blocks(c)[0]                      # block 1 is not a hit, its first 3 tokens are
+    assert ids(hits) == [0] and kv.get_partial_hit(c, hits)[1] == 3
+    assert kv.get_partial_hit(req("d", [1, 2, 3, 4, 99, 5]), hits) is None   # no cached block begins with 99
+    assert kv.get_partial_hit(req("e", [1, 2, 9]), []) is None               # the first block: never (salt, LoRA)
+
+
+def test_partial_hit_index_follows_eviction_and_reset():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    _cached(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    hits = kv.get_computed_blocks(req("b", [1, 2, 3, 4, 5, 0, 0]))[0]
+    assert kv.get_partial_hit(req("b", [1, 2, 3, 4, 5, 0, 0]), hits)[1] == 1
+    kv.pool.get_new_blocks(3)                                # 3, then a's blocks 2 and 1: block 1 evicted
+    assert kv.get_partial_hit(req("b", [1, 2, 3, 4, 5, 0, 0]), hits) is None
+    assert kv.pool.children == {}
+    kv2 = KVCacheManager(num_blocks=4, block_size=BS)
+    _cached(kv2, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv2.pool.children and kv2.reset_prefix_cache() and kv2.pool.children == {}
+
+
+def test_partial_hit_allocation_fails_cleanly_and_counts_a_free_source():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    _cached(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])             # all 3 free; 0 and 1 cached
+    b = req("b", [1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0])          # 1 hit, 2 copied, 9 slots past the hit: 3 new blocks
+    hits = kv.get_computed_blocks(b)[0]
+    partial = kv.get_partial_hit(b, hits)
+    assert partial[1] == 2
+    assert kv.allocate_slots(b, 7, hits, partial) is None     # 1 hit + source + 2 new > 3 blocks
+    assert kv.take_copies() == [] and all(x.ref_cnt == 0 for x in kv.pool.blocks)
+
+
+def test_partial_hit_looks_at_a_bounded_number_of_candidates():
+    pool = BlockPool(40, BS)
+    parent = hash_token_blocks([1, 2, 3, 4], BS)[0]
+    for i in range(35):                                       # 35 cached continuations all starting with 5
+        pool.cache_block(pool.blocks[i], bytes([i]) * 32, parent, [5, i, i, i])
+    block, n = pool.partial_hit(parent, [5, 3, 3, 3])
+    assert (block.block_id, n) == (3, 4)
+    assert pool.partial_hit(parent, [5, 34, 34, 34])[1] == 1  # past max_candidates (32): only the first token
+    assert pool.partial_hit(parent, [5, 34, 34, 34], max_candidates=40)[1] == 4

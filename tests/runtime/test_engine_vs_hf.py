@@ -3,7 +3,7 @@
 Same weights (the default model's cached safetensors directory), the 20 parity prompts of tests/support/hf_reference.py
 (raw and chat, 1 to ~1,500 tokens), 64 new tokens, checked four ways: all submitted together; with chunked prefill
 forced to 64-token steps; with a pool so small that requests are preempted (and recomputed); and a second run that
-hits the prefix cache.
+hits the prefix cache (full blocks, then the leading tokens of a cached block: copied KV).
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 def test_batched_then_prefix_cached(engine_llm, prompts, hf_reference):
     engine = engine_llm.engine
     _check(engine_llm.generate(prompts, GREEDY), prompts, hf_reference)
-    hits_before = engine.get_stats().prefix_cache_hits
+    hits_before, partial_before = engine.get_stats().prefix_cache_hits, engine.get_stats().prefix_cache_partial_hits
     second = engine_llm.generate(prompts, GREEDY)
     assert engine.get_stats().prefix_cache_hits - hits_before > 1000
+    # past its full blocks each prompt also takes its last block's leading tokens from the first run's cached block
+    assert engine.get_stats().prefix_cache_partial_hits - partial_before > 50
     assert sum(o.num_cached_tokens for o in second) > 1000
     _check(second, prompts, hf_reference)
 

@@ -1,5 +1,6 @@
 """Scheduler scenarios with hand-computed expectations: chunked prefill, continuous batching, max_num_seqs, preemption
-by recompute (who, when, and that the redo hits the cache), priority policy, aborts (CPU only, no model)."""
+by recompute (who, when, and that the redo hits the cache), a cached block's leading tokens copied, priority policy,
+aborts (CPU only, no model)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,23 @@ def test_preempt_latest_and_recompute_with_prefix_hit():
     assert sched == [("b", 5, 4)] and s.kv.get_block_ids("b")[0] == 2
     assert (s.kv.prefix_cache_queries, s.kv.prefix_cache_hits) == (7 + 7 + 9, 4)   # failed lookups not counted
     assert b.output_token_ids == [TOKEN] * 3                   # its earlier outputs were kept, one more sampled
+
+
+def test_a_cached_blocks_leading_tokens_are_copied_not_recomputed():
+    s = make(num_blocks=8, budget=32)
+    add(s, "a", 10, max_tokens=1)                              # tokens 0-9: blocks 0 [0-3], 1 [4-7] cached; 2 [8 9]
+    step(s)
+    b = Request("b", [0, 1, 2, 3, 4, 5, 90, 91, 92, 93, 94], SamplingParams(max_tokens=1), block_size=BS)
+    s.add_request(b)
+    out = s.schedule()                                         # block 0 a hit; 4, 5 of block 1 copied; 5 computed
+    assert out.num_scheduled_tokens == {"b": 5} and out.scheduled_new_reqs[0].num_computed_tokens == 6
+    table = out.scheduled_new_reqs[0].block_ids
+    assert table[0] == 0 and out.kv_block_copies == [(1, table[1], 2)]
+    assert (s.kv.prefix_cache_hits, s.kv.partial_block_hits) == (6, 2)
+    assert b.num_cached_tokens == 4                            # reported: whole blocks only (README, side channel)
+    assert s.kv.pool.blocks[1].ref_cnt == 1                    # the source: held until the step's output is back
+    s.update_from_output(out, ModelRunnerOutput(["b"], [[TOKEN]], [None]))
+    assert s.kv.pool.blocks[1].ref_cnt == 0 and s.schedule().kv_block_copies == []
 
 
 def test_priority_policy_admits_and_preempts_by_priority():

@@ -31,7 +31,7 @@ MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 DRAFT = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 10}
-SMALL = dict(dtype="float32", max_model_len=2048, num_gpu_blocks=128, max_num_batched_tokens=128)
+SMALL = dict(dtype="float32", max_model_len=2048, num_gpu_blocks=112, max_num_batched_tokens=128)
 
 
 @pytest.fixture(scope="module")
