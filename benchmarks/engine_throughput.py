@@ -255,11 +255,12 @@ def ttft_prefix(args) -> None:
                     pass
                 ttfts.append(time.perf_counter() - t)
             results[caching] = ttfts
-            hits = engine.get_stats().prefix_cache_hits
+            stats = engine.get_stats()
             print(f"round {r + 1}, prefix caching {'on ' if caching else 'off'}: mean TTFT "
                   f"{statistics.mean(ttfts) * 1000:8.1f} ms, median {statistics.median(ttfts) * 1000:8.1f} ms, "
                   f"first {ttfts[0] * 1000:8.1f} ms, after the first {statistics.mean(ttfts[1:]) * 1000:8.1f} ms, "
-                  f"prefix-cache hit tokens {hits}")
+                  f"prefix-cache hit tokens {stats.prefix_cache_hits} (copied from a cached block's leading tokens: "
+                  f"{stats.prefix_cache_partial_hits})")
             llm.shutdown()
         rounds.append(results)
         off, on = results[False], results[True]
