@@ -145,7 +145,8 @@ void coded_tiles(const uint16_t* a, int64_t lda, CodedBlock* cb, int64_t kb, flo
     }
     if (k + 1 < kb)
       for (int n = 0; n < NB; n++) {
-        for (int l = 0; l < kCodedTile / 64; l++) _mm_prefetch((const char*)(cb[n].tiles + (k + 4) * kCodedTile + l * 64), _MM_HINT_T0);
+        const char* ahead = (const char*)(cb[n].tiles + (k + 4) * kCodedTile);
+        for (int l = 0; l < kCodedTile / 64; l++) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
         decode_tile(cb[n], k + 1, ring[(k + 1) & 1][n]);
       }
   }
@@ -238,7 +239,8 @@ void check_coded(const at::Tensor& codes, const at::Tensor& meta) {
   for (int64_t j = 0; j < nb; j++) {
     TORCH_CHECK(m[4 * nb + j] <= m[4 * nb + j + 1], "meta: exception offsets out of order");
     for (int32_t e = m[4 * nb + j], last = -1; e < m[4 * nb + j + 1]; last = m[e] >> 8, e++)
-      TORCH_CHECK(m[e] >= 0 && (m[e] >> 8) > last && (m[e] >> 8) < kb * 512, "meta: an exception outside its block or out of order");
+      TORCH_CHECK(m[e] >= 0 && (m[e] >> 8) > last && (m[e] >> 8) < kb * 512,
+                  "meta: an exception outside its block or out of order");
   }
 }
 
@@ -322,7 +324,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     // the last row tile's C and A tiles: tiles<1>'s (and coded_tiles' second block's), or (17-31 rows) tiles22's and
     // tiles21's
-    Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 1 | 1u << 4, tail) : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
+    Tiles amx = !tail ? Tiles() : Mp == 16 ? Tiles(1u << 0 | 1u << 1 | 1u << 4, tail)
+                                           : Tiles(1u << 2 | 1u << 3 | 1u << 5, tail);
     alignas(64) float c[4 * 256];
     static thread_local std::vector<uint16_t> decoded;   // coded weights over 32 rows: a block pair decoded whole
     auto block = [&](int64_t j, int64_t slot) -> const uint16_t* {   // column block j's tiles

@@ -80,7 +80,8 @@ inline void decode_tile(CodedBlock& b, int64_t k, uint16_t* d) {
   const uint8_t* s = b.tiles + k * kCodedTile;
   for (int g = 0; g < 8; g++) {
     const __m512i lo = _mm512_loadu_si512(s + 64 * g);
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(s + 512 + 32 * g)));   // a code pair a word
+    // a code pair a word
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(s + 512 + 32 * g)));
     const __m512i codes = _mm512_and_si512(   // byte 2m: the low nibble of pair m, byte 2m + 1: its high nibble
         _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x0F00), _mm512_slli_epi16(x, 4), x, 0xCA), _mm512_set1_epi8(0x0F));
     const __m512i hi = _mm512_shuffle_epi8(b.table, codes);

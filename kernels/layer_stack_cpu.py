@@ -77,7 +77,8 @@ void write_kv(uint16_t* dst, int64_t w, const at::Tensor& k, const at::Tensor& v
 // cache's row view that take this step's K then V; dec_*: the decodes for the paged decode kernel (dec_rows: their rows
 // of q, absent when every row decodes); pf_*: the prefill chunks for the paged prefill kernel.
 at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                   at::TensorList weights, at::TensorList metas, at::IntArrayRef dims, double eps, double scale, const at::Tensor& kv_idx,
+                   at::TensorList weights, at::TensorList metas, at::IntArrayRef dims, double eps, double scale,
+                   const at::Tensor& kv_idx,
                    const OptT& dec_rows, const OptT& dec_tables, const OptT& dec_lens, const OptT& pf_tables,
                    const OptT& pf_info) {
   static const Ops ops;
@@ -123,7 +124,8 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
     const at::Tensor a = ops.linear.call(o.reshape({T, qs}), w[2], none, no, meta(i, 1));
     at::Tensor x2;
     std::tie(x2, h) = ops.rms_norm.call(a, h, w[3], eps);
-    mlp = ops.linear.call(ops.silu_mul.call(ops.linear.call(x2, w[4], none, ngu, meta(i, 2))), w[5], none, nd, meta(i, 3));
+    const at::Tensor gate_up = ops.linear.call(x2, w[4], none, ngu, meta(i, 2));
+    mlp = ops.linear.call(ops.silu_mul.call(gate_up), w[5], none, nd, meta(i, 3));
   }
   return h + mlp;
 }
@@ -131,9 +133,8 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
 
 TORCH_LIBRARY(pdserve_layer_stack_cpu, m) {
   m.def("forward(Tensor h, Tensor cos, Tensor sin, Tensor kv_cache, Tensor[] weights, Tensor[] metas, int[] dims, "
-        "float eps, "
-        "float scale, Tensor kv_idx, Tensor? dec_rows, Tensor? dec_tables, Tensor? dec_lens, Tensor? pf_tables, "
-        "Tensor? pf_info) -> Tensor");
+        "float eps, float scale, Tensor kv_idx, Tensor? dec_rows, Tensor? dec_tables, Tensor? dec_lens, "
+        "Tensor? pf_tables, Tensor? pf_info) -> Tensor");
   m.impl("forward", c10::DispatchKey::CPU, TORCH_FN(forward));
 }
 """
@@ -149,15 +150,18 @@ def load_extension() -> str | None:
     return cpp_build.build("pdserve_layer_stack_cpu", SOURCE, ["-O2"], "the CPU layer stack")
 
 
+Plain = tuple[list[torch.Tensor], list[torch.Tensor], list[int]]   # the op's weights, metas and dims
+
+
 class LayerStack:
     """``model``'s decoder layers as one op call where the step allows it (see the module doc); ``steps`` counts them."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.steps = 0
-        self._plain: tuple[Any, tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None] | None = None   # (first qkv, _scan())
+        self._plain: tuple[Any, Plain | None] | None = None   # (first qkv, _scan())
 
-    def _plain_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None:
+    def _plain_layers(self) -> Plain | None:
         """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, their linears' coded-weight metas or [], the
         op's dims), or None unless every layer is the plain path, its linears all coded or all plain tiles; scanned
         again only when the linears were replaced (quantization and LoRA replace them all)."""
@@ -166,7 +170,7 @@ class LayerStack:
             self._plain = (first, self._scan())
         return self._plain[1]
 
-    def _scan(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None:
+    def _scan(self) -> Plain | None:
         weights: list[torch.Tensor] = []
         metas: list[torch.Tensor] = []
         for layer in self.model.layers:

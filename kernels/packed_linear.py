@@ -88,7 +88,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in _DTYPES:
-                setattr(parent, name, kind(child.weight, child.bias, **(head if parent is model and name == "lm_head" else {})))
+                kwargs = head if parent is model and name == "lm_head" else {}
+                setattr(parent, name, kind(child.weight, child.bias, **kwargs))
                 count += 1
     embed = getattr(model, "embed_tokens", None)
     if (hasattr(model, "lm_head") and model.lm_head is None and getattr(model, "quant_head", None) is None

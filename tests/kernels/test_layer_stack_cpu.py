@@ -92,13 +92,15 @@ def test_bad_arguments_are_errors_not_crashes():
         op(h, cos, sin, cache, weights, [torch.zeros(1)] * 3, [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None,
            None, None, None, None)
     with pytest.raises(RuntimeError, match="decodes need tables and lens"):
-        op(h, cos, sin, cache, weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None, None)
+        op(h, cos, sin, cache, weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, None, None, None,
+           None)
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="a row outside the cache"):   # never a write outside the cache
         op(h, cos, sin, cache, weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, torch.tensor([0, 1, 2, 128]),
            None, tables, lens, None, None)
     with pytest.raises(RuntimeError, match="kv_cache: bf16"):
-        op(h, cos, sin, cache.float(), weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, tables, lens,
+        op(h, cos, sin, cache.float(), weights, [], [9, 3, 64, 960, 576, 3072, 576], 1e-5, 0.125, idx, None, tables,
+           lens,
            None, None)
 
 
