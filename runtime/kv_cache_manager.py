@@ -79,9 +79,10 @@ class KVCacheManager:
         return self.pool.partial_hit(hits[-1].block_hash, request.all_token_ids[start:end])
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int, num_partial_tokens: int = 0) -> None:
-        """Count one admitted request's lookup (lookups of requests that then failed to fit are not counted)."""
+        """Count one admitted request's lookup: its whole-block hits and the leading tokens it copied (lookups of
+        requests that then failed to fit are not counted)."""
         self.prefix_cache_queries += num_queried_tokens
-        self.prefix_cache_hits += num_hit_tokens
+        self.prefix_cache_hits += num_hit_tokens + num_partial_tokens
         self.partial_block_hits += num_partial_tokens
 
     def take_copies(self) -> list[tuple[int, int, int]]:

@@ -218,7 +218,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             if fresh:
-                self.kv.record_prefix_lookup(req.num_tokens, len(hits) * self.block_size + n_partial, n_partial)
+                self.kv.record_prefix_lookup(req.num_tokens, len(hits) * self.block_size, n_partial)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
             req.num_computed_tokens = num_computed
