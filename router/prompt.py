@@ -14,9 +14,10 @@ import logging
 import re
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from pdserve.runtime.block_hash import BlockHash, block_extra_keys, hash_block
+from pdserve.runtime.block_hash import BlockHash, hash_token_blocks
+from pdserve.runtime.byte_bounded_cache import ByteBoundedCache
 
 log = logging.getLogger(__name__)
 
@@ -45,28 +46,6 @@ def _text(content: Any) -> str:
     return ""
 
 
-class ByteBoundedCache(dict):
-    """A dict bounded by the (estimated) bytes its entries hold, that forgets everything when full (cheap; hot
-    entries come right back). An entry costing more than an eighth of the bound is not kept at all: one huge
-    distinct prompt must neither be held nor flush the shared pieces. ``cost(key, value)`` estimates bytes."""
-
-    def __init__(self, capacity_bytes: int, cost: Callable[[Any, Any], int]):
-        super().__init__()
-        self.capacity, self.cost, self.nbytes = capacity_bytes, cost, 0
-
-    def put(self, key, value):
-        c = self.cost(key, value)
-        if c > self.capacity // 8:
-            return value
-        if self.nbytes + c > self.capacity:
-            self.clear()
-            self.nbytes = 0
-        if key not in self:
-            self.nbytes += c
-        self[key] = value
-        return value
-
-
 # CPython sizes: a list holds an 8-byte pointer per id and most token ids (> 256) are separate 28-byte ints; a dict
 # entry with its hash costs ~100 bytes. (tests/router/test_router_prompt.py measures the real total with tracemalloc.)
 GIL_FREE_CHARS = 16 * 1024  # pieces at least this long are encoded with the GIL released
@@ -74,10 +53,6 @@ GIL_FREE_CHARS = 16 * 1024  # pieces at least this long are encoded with the GIL
 
 def _piece_cost(piece: str, ids: list[int]) -> int:
     return sys.getsizeof(piece) + 56 + 36 * len(ids) + 100
-
-
-def _block_cost(key: tuple, h: Any) -> int:
-    return 64 + 36 * len(key[1]) + 64 + sys.getsizeof(h) + 100
 
 
 class PromptTokenizer:
@@ -175,24 +150,10 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return chars // 4
 
 
-_HASHES = ByteBoundedCache(32 * 1024 * 1024, _block_cost)  # (parent, block, extra keys) -> hash; prefixes hash once
-
-
 def block_hashes(token_ids: list[int], block_size: int, cache_salt: Any,
                  lora_digest: str | None = None) -> list[BlockHash]:
-    """The chained hashes of the prompt's full blocks, computed by the runtime's own ``hash_block`` (memoized), so
-    they equal ``block_hash.hash_token_blocks(token_ids, block_size, cache_salt, lora_digest=lora_digest)`` by
-    construction (``lora_digest``: the weight digest of the request's adapter on the pod, as the engine keys it)."""
+    """The chained hashes of the prompt's full blocks: the runtime's own ``block_hash.hash_token_blocks`` (memoized
+    there), so they equal the engine's by construction (``lora_digest``: the weight digest of the request's adapter
+    on the pod, as the engine keys it)."""
     salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-    out: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for i in range(len(token_ids) // block_size):
-        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        extra = block_extra_keys(i, salt, lora_digest)
-        key = (parent, block, extra)
-        h = _HASHES.get(key)
-        if h is None:
-            h = _HASHES.put(key, hash_block(parent, block, extra))
-        out.append(h)
-        parent = h
-    return out
+    return hash_token_blocks(token_ids, block_size, salt, lora_digest=lora_digest)
