@@ -45,13 +45,12 @@ inline __m256i bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 inline void store16(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, bf16(x)); }
 
 // silu(g) = g / (1 + e^-g), as torch computes it (a true division: a reciprocal estimate, even refined, changed the
-// bf16 result on ~0.1% of elements); e^-g through exp16's range, e^x = 1 / e^-x for x > 0
+// bf16 result on ~0.1% of elements), from t = e^-|g| in exp16's range: g / (1 + t) for g >= 0, g t / (1 + t) below.
+// One division where e^-g for g < 0 (as 1 / e^g) took a second one: 24 rows of the default model 18.8 -> 13.4 us.
 inline __m512 silu16(__m512 g) {
-  const __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f));
-  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LE_OQ);
-  const __m512 e = exp16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x));
-  const __m512 ex = _mm512_mask_blend_ps(neg, _mm512_div_ps(_mm512_set1_ps(1.f), e), e);
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex));
+  const __m512 t = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_min_ps(_mm512_abs_ps(g), _mm512_set1_ps(88.f))));
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, t), _mm512_add_ps(_mm512_set1_ps(1.f), t));
 }
 #endif
 
