@@ -20,9 +20,8 @@ same seed, or no hash ever matches; different seeds isolate deployments from eac
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-
 import sys
+from collections.abc import Sequence
 
 import cbor2
 
