@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -87,9 +88,30 @@ def missing_connector_package(kind: str) -> str | None:
             f"{sys.executable} -m pip install '{_requirement(dist)}'  (or pick another --kv-connector)")
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago, below the kernel's ephemeral range where it can.
+
+    A child binds its port seconds after the port is picked (after loading the model), and outgoing connections take
+    their local ports from the ephemeral range, so a port the OS picked there (bind to port 0) can be in use by then:
+    the router once failed to start with "address already in use" ~10 s after its port was picked. Below the range
+    only another listener can take it. Falls back to the OS's pick when no port below the range is free."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768   # Linux's default
+    for _ in range(64 if low > 10_100 else 0):
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.up import free_port  # noqa: F401  (re-exported: the tests' one way to pick a port)
+
 DEFAULT_START_TIMEOUT = 300.0  # loading the model on a busy 2-core CI box can take a while
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
