@@ -89,6 +89,7 @@ def missing_connector_package(kind: str) -> str | None:
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICK_RANGE = (15_000, 28_000)   # see free_port
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,13 +98,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     A child binds its port seconds after the port is picked (after loading the model), and outgoing connections take
     their local ports from the ephemeral range, so a port the OS picked there (bind to port 0) can be in use by then:
     the router once failed to start with "address already in use" ~10 s after its port was picked. Below the range
-    only another listener can take it. Falls back to the OS's pick when no port below the range is free."""
+    only another listener can take it. The picks stay within 15000-27999, clear of the fixed ports that tools here
+    listen on (the kubelet's 10250, the controller manager's 10257, the scheduler's 10259, vllm-router's metrics on
+    29000, Kubernetes NodePorts from 30000). Falls back to the OS's pick when none of those is free."""
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768   # Linux's default
-    for _ in range(64 if low > 10_100 else 0):
-        port = random.randrange(10_000, low)
+    high = min(low, PICK_RANGE[1])
+    for _ in range(64 if high > PICK_RANGE[0] + 100 else 0):
+        port = random.randrange(PICK_RANGE[0], high)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

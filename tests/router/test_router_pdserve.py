@@ -200,7 +200,8 @@ def test_vllm_router_pd_interop(cluster):
         exe = shutil.which("vllm-router") or str(__import__("pathlib").Path(sys.executable).parent / "vllm-router")
         port = free_port()
         cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill",
-               prefill.url, "--decode", cluster["D"].url, "--policy", "round_robin", "--log-level", "warning"]
+               prefill.url, "--decode", cluster["D"].url, "--policy", "round_robin", "--log-level", "warning",
+               "--prometheus-port", str(free_port())]   # not its fixed default, 29000
         with launch_process(cmd, port, timeout=120, env={"OPENAI_API_KEY": key}) as h:
             c = openai.OpenAI(base_url=h.url + "/v1", api_key="x", timeout=120)
             chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, **GREEDY)
