@@ -260,16 +260,17 @@ at::Tensor unpack_lossless(const at::Tensor& codes, const at::Tensor& meta) {
   return out;
 }
 
-// x (M, K) @ w.T (+ bias) -> (M, N) bf16; w as pack's tiles, or (meta given) pack_lossless's codes
-at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
-                  const c10::optional<at::Tensor>& meta) {
+// x (M, K) @ w.T (+ bias) -> (M, N) bf16; w as pack's tiles, or (meta given) pack_lossless's codes. With bmap (plain
+// tiles only, checked by the caller), output column block j is the weight's column block bmap[j] (N / 16 of them).
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
+                       const c10::optional<at::Tensor>& meta, const int64_t* bmap) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 (M, K)");
   if (meta.has_value())
     check_coded(wp, *meta);
   else
     TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
                 wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
-  const int64_t M = x.size(0), K = x.size(1), nb = wp.size(0), kb = wp.size(1);
+  const int64_t M = x.size(0), K = x.size(1), nb = bmap ? N / 16 : wp.size(0), kb = wp.size(1);
   TORCH_CHECK(kb == (K + 31) / 32 && nb == (N + 15) / 16, "x: K of the packed weight; N: its rows");
   at::Tensor b32;
   if (bias.has_value()) {
@@ -329,7 +330,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
     alignas(64) float c[4 * 256];
     static thread_local std::vector<uint16_t> decoded;   // coded weights over 32 rows: a block pair decoded whole
     auto block = [&](int64_t j, int64_t slot) -> const uint16_t* {   // column block j's tiles
-      if (!codes) return (const uint16_t*)wp.data_ptr() + j * kb * 512;
+      if (!codes) return (const uint16_t*)wp.data_ptr() + (bmap ? bmap[j] : j) * kb * 512;
       decoded.resize(2 * kb * 512);
       CodedBlock cb = coded_block(codes, mp, nb, kb, j);
       for (int64_t k = 0; k < kb; k++) decode_tile(cb, k, decoded.data() + (slot * kb + k) * 512);
@@ -393,6 +394,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
 #endif
   return out;
 }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
+                  const c10::optional<at::Tensor>& meta) {
+  return linear_impl(x, wp, bias, N, meta, nullptr);
+}
+
+// x (M, K) @ the packed weight's column blocks ``blocks`` (int64, each 16 columns) .T -> (M, 16 * len(blocks)) bf16,
+// read in place: the columns linear gives for them, bit for bit (the greedy head's candidate blocks).
+at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& blocks) {
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
+              wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(), "blocks: int64 (B,)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && wp.size(1) == (x.size(1) + 31) / 32,
+              "x: bf16 (M, K), K of the packed weight");
+  if (blocks.numel() == 0) return at::empty({x.size(0), 0}, x.options());
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < blocks.numel(); i++) TORCH_CHECK(b[i] >= 0 && b[i] < wp.size(0), "blocks: a block outside wp");
+  return linear_impl(x, wp, c10::nullopt, 16 * blocks.numel(), c10::nullopt, b);
+}
 }  // namespace
 
 TORCH_LIBRARY(pdserve_amx_linear, m) {
@@ -401,11 +421,13 @@ TORCH_LIBRARY(pdserve_amx_linear, m) {
   m.def("pack_lossless(Tensor w) -> (Tensor, Tensor)");
   m.def("unpack_lossless(Tensor codes, Tensor meta) -> Tensor");
   m.def("linear(Tensor x, Tensor wp, Tensor? bias, int n, Tensor? meta=None) -> Tensor");
+  m.def("linear_blocks(Tensor x, Tensor wp, Tensor blocks) -> Tensor");
   m.impl("available", available);
   m.impl("pack", c10::DispatchKey::CPU, TORCH_FN(pack));
   m.impl("pack_lossless", c10::DispatchKey::CPU, TORCH_FN(pack_lossless));
   m.impl("unpack_lossless", c10::DispatchKey::CPU, TORCH_FN(unpack_lossless));
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.impl("linear_blocks", c10::DispatchKey::CPU, TORCH_FN(linear_blocks));
 }
 """
 

@@ -297,8 +297,7 @@ class GreedyHead:
         rows = hidden.contiguous()
         blocks = torch.ops.pdserve_greedy_head_cpu.screen(rows, self.q, self.scale, self.err, self.sqn,
                                                            self.head.out_features)
-        sub = self.head.packed.index_select(0, blocks)
-        logits = torch.ops.pdserve_amx_linear.linear(rows, sub, None, sub.shape[0] * 16).float()
+        logits = torch.ops.pdserve_amx_linear.linear_blocks(rows, self.head.packed, blocks).float()   # read in place
         vocab = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
         logits[:, vocab >= self.head.out_features] = float("-inf")          # a last block's padding columns
         self.screened += rows.shape[0]

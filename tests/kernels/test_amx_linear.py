@@ -105,6 +105,29 @@ def test_row_strided_input_is_read_in_place(m, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 7, 16, 24, 32, 40])
+def test_linear_blocks_gives_those_columns_of_the_full_product(m):
+    """``linear_blocks`` reads the named column blocks in place (any order, repeats, none): exactly the full product's
+    columns for them, at every row count and thread split; a block outside the weight is an error."""
+    w, x = _bf16(200, 576, seed=10, scale=0.05), _bf16(m, 576, seed=11)
+    packed = torch.ops.pdserve_amx_linear.pack(w)
+    full = torch.ops.pdserve_amx_linear.linear(x, packed, None, 208)          # 13 blocks, the last one padded
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for blocks in ([12, 0, 5, 5, 3], [7], list(range(13))[::-1], []):
+                got = torch.ops.pdserve_amx_linear.linear_blocks(x, packed, torch.tensor(blocks, dtype=torch.long))
+                want = full.view(m, 13, 16)[:, blocks].reshape(m, 16 * len(blocks))
+                assert torch.equal(got, want), (threads, blocks)
+    finally:
+        torch.set_num_threads(before)
+    for bad in ([13], [-1], [0.0]):
+        with pytest.raises(RuntimeError):
+            torch.ops.pdserve_amx_linear.linear_blocks(x, packed, torch.tensor(bad))
+
+
+@needs_amx
 def test_bad_shapes_are_errors():
     w = _bf16(40, 64)
     packed = torch.ops.pdserve_amx_linear.pack(w)
