@@ -4,7 +4,8 @@ A greedy row needs one number from the LM head: the first index of its largest b
 step the same ~2 ms whatever the rows (SmolLM2's is 49,152 x 576 bf16, 57 MB, at the memory's speed): ~10% of a
 cached-prefix prefill step and more of a one-sequence decode step. Here an int8 copy of the head (one scale per vocab
 row: half the bytes) screens every logit, and only the 16-column blocks that can still hold a row's winner go through
-the AMX linear (kernels/amx_linear.py), on the same rows, so their logits are the full head's bits.
+the AMX linear (kernels/amx_linear.py, ``linear_blocks``: the blocks read in place), on the same rows, so their logits
+are the full head's bits.
 
 Why it is exact. For vocab row ``v`` (bf16 weights ``w``, int8 ``q``, scale ``s``: ``s q`` is ``w`` rounded to 255
 levels) and a hidden row ``h`` of K values, the screen writes ``h`` as ``t (p1 + p2 / 256)``, two int8 digits
