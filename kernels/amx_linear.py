@@ -17,6 +17,9 @@ The weight can also be held in its lossless 12-bit form (``pack_lossless``: kern
 the kernel decodes a column block's next tile while AMX multiplies the current one (``coded_tiles``), above it
 decodes whole blocks first; the products are those over the plain tiles, bit for bit.
 
+``linear_blocks`` takes only some column blocks of a plain-tiles weight, read in place (the greedy head's candidate
+blocks, kernels/greedy_head_cpu.py): the same columns the full product gives, bit for bit.
+
 Built on first use (kernels/cpp_build.py) where the CPU has AMX-BF16 and the OS grants it; elsewhere, on a build
 failure or with ``PDSERVE_CPU_AMX_LINEAR=0``, bf16 linears stay on oneDNN's packed kernel.
 """
