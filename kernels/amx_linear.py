@@ -263,17 +263,25 @@ at::Tensor unpack_lossless(const at::Tensor& codes, const at::Tensor& meta) {
   return out;
 }
 
-// x (M, K) @ w.T (+ bias) -> (M, N) bf16; w as pack's tiles, or (meta given) pack_lossless's codes. With bmap (plain
-// tiles only, checked by the caller), output column block j is the weight's column block bmap[j] (N / 16 of them).
+// x (M, K) @ w.T (+ bias) -> (M, N) bf16; w as pack's tiles, or (meta given) pack_lossless's codes. With blocks (int64,
+// plain tiles), output column block j is the weight's column block blocks[j] (N = 16 * len(blocks)).
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
-                       const c10::optional<at::Tensor>& meta, const int64_t* bmap) {
+                       const c10::optional<at::Tensor>& meta, const at::Tensor* blocks) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 (M, K)");
   if (meta.has_value())
     check_coded(wp, *meta);
   else
     TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
                 wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
-  const int64_t M = x.size(0), K = x.size(1), nb = bmap ? N / 16 : wp.size(0), kb = wp.size(1);
+  const int64_t* bmap = nullptr;
+  if (blocks) {
+    TORCH_CHECK(!meta.has_value() && blocks->dim() == 1 && blocks->scalar_type() == at::kLong && blocks->is_contiguous(),
+                "blocks: int64 (B,), of plain tiles");
+    bmap = blocks->data_ptr<int64_t>();
+    for (int64_t i = 0; i < blocks->numel(); i++)
+      TORCH_CHECK(bmap[i] >= 0 && bmap[i] < wp.size(0), "blocks: a block outside wp");
+  }
+  const int64_t M = x.size(0), K = x.size(1), nb = blocks ? blocks->numel() : wp.size(0), kb = wp.size(1);
   TORCH_CHECK(kb == (K + 31) / 32 && nb == (N + 15) / 16, "x: K of the packed weight; N: its rows");
   at::Tensor b32;
   if (bias.has_value()) {
@@ -281,7 +289,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& wp, const c10::opt
     b32 = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  if (M == 0 || nb == 0) return out;
 #ifdef PD_AMX
   const int64_t Mp = (M + 15) / 16 * 16, Kp = kb * 32;
   const uint16_t* a = (const uint16_t*)x.data_ptr();
@@ -406,15 +414,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional
 // x (M, K) @ the packed weight's column blocks ``blocks`` (int64, each 16 columns) .T -> (M, 16 * len(blocks)) bf16,
 // read in place: the columns linear gives for them, bit for bit (the greedy head's candidate blocks).
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& blocks) {
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 &&
-              wp.size(3) == 32, "wp: a packed weight (N/16, K/32, 16, 32)");
-  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(), "blocks: int64 (B,)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && wp.size(1) == (x.size(1) + 31) / 32,
-              "x: bf16 (M, K), K of the packed weight");
-  if (blocks.numel() == 0) return at::empty({x.size(0), 0}, x.options());
-  const int64_t* b = blocks.data_ptr<int64_t>();
-  for (int64_t i = 0; i < blocks.numel(); i++) TORCH_CHECK(b[i] >= 0 && b[i] < wp.size(0), "blocks: a block outside wp");
-  return linear_impl(x, wp, c10::nullopt, 16 * blocks.numel(), c10::nullopt, b);
+  return linear_impl(x, wp, c10::nullopt, 16 * blocks.numel(), c10::nullopt, &blocks);
 }
 }  // namespace
 
