@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def simd_cflags(extra: tuple[str, ...] = ()) -> list[str]:
-    """``-O3 -fopenmp`` plus AVX-512 (F, BW, FMA and ``extra`` flags the CPU has) where the CPU has AVX-512 F and BW.
+    """``-O3 -fopenmp`` plus AVX-512 (F, BW, FMA and ``extra`` flags the CPU has) where the CPU has AVX-512 F and BW,
+    else AVX2 and FMA where it has those (the kernels' 8-lane paths).
 
     ``-fopenmp``: ``at::parallel_for`` is a header template over OpenMP pragmas (torch's PyPI builds), so without it
     the loop runs on the calling thread alone."""
@@ -27,7 +28,7 @@ def simd_cflags(extra: tuple[str, ...] = ()) -> list[str]:
 
     flags, base = cpu_flags(), ["-O3", "-fopenmp"]
     if not {"avx512f", "avx512bw"} <= flags:
-        return base
+        return [*base, "-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else base
     gcc = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16", "amx_int8": "-mamx-int8"}  # else the flag's name without underscores
     return [*base, "-mavx512f", "-mavx512bw", "-mfma",
             *(gcc.get(f, f"-m{f.replace('_', '')}") for f in extra if f in flags)]
@@ -56,8 +57,8 @@ def build(prefix: str, source: str, cflags: list[str], what: str) -> str | None:
     except Exception as exc:  # no compiler / headers / ninja: the caller falls back, start-up never fails
         return f"{what} could not be built ({type(exc).__name__}: {str(exc).strip()[:300]})"
     if {p: p.stat().st_mtime for p in build_dir.glob("*.so")} != built:  # compiled now, not just loaded
-        log.info("built %s (%s) in %.1f s into %s", what, "AVX-512" if "-mavx512f" in cflags else "portable C++",
-                 time.perf_counter() - t0, build_dir)
+        isa = "AVX-512" if "-mavx512f" in cflags else "AVX2" if "-mavx2" in cflags else "portable C++"
+        log.info("built %s (%s) in %.1f s into %s", what, isa, time.perf_counter() - t0, build_dir)
     return None
 
 

@@ -3,9 +3,21 @@ kernels/amx_linear.py).
 
 ``AVX512_HELPERS`` (inside ``#ifdef PD_AVX512``, after ``<immintrin.h>``): ``load16`` (16 floats or bf16s as floats),
 ``exp16`` (e^x for x <= 0, 0 below -87), ``round16`` (16 floats rounded to bf16, kept as floats) and ``FlushDenormals`` (flush-to-zero / denormals-are-zero for a scope).
+``AVX2_HELPERS`` (inside ``#ifdef PD_AVX2``, AVX2 + FMA, after ``<immintrin.h>``): the same on 8 lanes, ``load8``,
+``exp8``, ``round8``, with ``hsum8`` / ``hmax8`` (a vector's sum / max) and ``FlushDenormals``.
 ``TRANSPOSE16`` (after ``<immintrin.h>``, AVX-512 F): ``transpose16``, a 16 x 16 transpose of 32-bit words in registers.
 ``AMX_HELPERS`` (after ``<sys/syscall.h>`` and ``<unistd.h>``, compiled with ``-mamx-tile -mamx-bf16``): ``Tiles``
 (a thread's AMX tile configuration for a scope, every tile 16 x 64 bytes) and ``amx_permitted`` (asks Linux for AMX).
+"""
+
+FLUSH_DENORMALS = r"""
+// Flush-to-zero / denormals-are-zero while a thread runs the kernel: peaked softmaxes leave probabilities whose
+// products with V are subnormal, and x86 takes a ~100x slower microcode path on every one of them.
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
 """
 
 AVX512_HELPERS = r"""
@@ -39,15 +51,44 @@ inline __m512 round16(__m512 x) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
 }
+""" + FLUSH_DENORMALS
 
-// Flush-to-zero / denormals-are-zero while a thread runs the kernel: peaked softmaxes leave probabilities whose
-// products with V are subnormal, and x86 takes a ~100x slower microcode path on every one of them.
-struct FlushDenormals {
-  unsigned int saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
-"""
+AVX2_HELPERS = r"""
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the top half of the float
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// exp16's polynomial on 8 lanes: e^x for x <= 0, 0 below -87
+inline __m256 exp8(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+// x rounded to the nearest bf16 (ties to even), kept as a float, as round16
+inline __m256 round8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u))));
+}
+""" + FLUSH_DENORMALS
 
 AMX_HELPERS = r"""
 // AMX tiles for one thread: every tile 16 rows of 64 bytes (16 x 32 bf16 as pairs for A and B, 16 x 16 floats

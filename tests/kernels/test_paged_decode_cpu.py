@@ -1,8 +1,9 @@
 """The paged decode-attention CPU kernel (kernels/paged_decode_cpu.py): against a float64 reference on ragged
 contexts with poisoned unused slots, on both its register-tiled path (GQA group 3, head dim 64: the default model) and
-its generic loop; out-of-range tables are errors; the engine really runs it by default and its bf16 greedy output
-agrees with the torch path's (the issue's bar: the same top-1 token on >= 99% of positions). float32 transformers
-parity runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py)."""
+its generic loop, and on its AVX2 and plain builds; out-of-range tables are errors; the engine really runs it by
+default and its bf16 greedy output agrees with the torch path's (the issue's bar: the same top-1 token on >= 99% of
+positions). float32 transformers parity runs on it through the unchanged parity tests
+(tests/runtime/test_engine_vs_hf.py)."""
 
 from __future__ import annotations
 
@@ -136,27 +137,46 @@ def test_switch_and_build_failure(monkeypatch, tmp_path):
     assert not paged_decode_cpu.enabled(CPU, torch.bfloat16)
 
 
-PORTABLE = """
-import torch
+BUILT_WITH = """
+import sys, torch
 from pdserve.kernels import cpp_build, paged_decode_cpu as m
-assert cpp_build.build("pdserve_paged_cpu", m.SOURCE, ["-O3"], "portable") is None   # no -mavx512*: the plain loop
-worst = 0.0
-for dims in ((9, 3, 64), (10, 2, 48)):
-    q, kv, tables, lens = _case(torch.float32, *dims, [1, 17, 100])
-    out = torch.ops.pdserve_paged_cpu.decode(q, kv, tables, lens, 0.125)
-    ref = _reference(q, kv, tables, lens, 0.125)
-    worst = max(worst, float((out.double() - ref).abs().max() / ref.abs().max()))
-print(worst)
+assert cpp_build.build("pdserve_paged_cpu", m.SOURCE, sys.argv[1:], "test build") is None
+print(torch.ops.pdserve_paged_cpu.isa())
+for dtype in (torch.float32, torch.bfloat16):
+    worst = 0.0
+    for dims in ((9, 3, 64), (10, 2, 48)):
+        q, kv, tables, lens = _case(dtype, *dims, [1, 17, 100])
+        out = torch.ops.pdserve_paged_cpu.decode(q, kv, tables, lens, 0.125)
+        ref = _reference(q, kv, tables, lens, 0.125)
+        worst = max(worst, float((out.double() - ref).abs().max() / ref.abs().max()))
+    print(worst)
 """
 
 
-def test_portable_path_builds_and_matches():
-    """The loop a CPU without AVX-512 runs, built in a child process (one op library a process)."""
+@pytest.mark.parametrize("flags, isa", [(["-O3"], "portable"), (["-O3", "-mavx2", "-mfma"], "avx2")])
+def test_other_vector_paths_build_and_match(flags, isa):
+    """The paths other CPUs run, each built in a child process (one op library a process): the plain loop (no
+    AVX-512, no AVX2) and the 8-lane AVX2 + FMA path (e.g. AMD Zen 2/3), float32 and bf16 caches against float64."""
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
     helpers = inspect.getsource(_case) + "\n" + inspect.getsource(_reference)
-    out = subprocess.run([sys.executable, "-c", "import torch\n" + helpers + PORTABLE], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", "import torch\n" + helpers + BUILT_WITH, *flags],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.strip().splitlines()[-1]) <= 4e-6
+    built, f32, bf16 = out.stdout.split()[-3:]
+    assert built == isa and float(f32) <= 4e-6 and float(bf16) <= 1e-2
+
+
+def test_default_build_takes_the_widest_vector_path_the_cpu_has():
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if BUILD is not None:
+        pytest.skip(f"kernel not built here: {BUILD}")
+    flags = cpu_flags()
+    want = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert torch.ops.pdserve_paged_cpu.isa() == want
 
 
 @pytest.fixture(scope="module")
