@@ -18,6 +18,7 @@ rows, bit-equal to oneDNN there; more rows stay on oneDNN, so the weights are he
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -37,6 +38,8 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"{dtype} activations (oneDNN's packed kernel is not bit-equal to F.linear in float32)"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return "this torch build has no oneDNN linear ops"
+    if not _self_check(dtype):   # e.g. bf16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (AMD Zen 2/3): oneDNN refuses
+        return f"oneDNN's packed {str(dtype).removeprefix('torch.')} linear fails or differs from F.linear on this CPU"
     return None
 
 
@@ -58,6 +61,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@functools.lru_cache(maxsize=None)
 def _self_check(dtype: torch.dtype, kind: type[nn.Module] = PackedLinear) -> bool:
     """The packed op equals F.linear on a small odd-shaped problem (guards against a torch build that ships the ops
     but computes differently, e.g. without native bf16 dot products)."""
@@ -73,11 +77,9 @@ def _self_check(dtype: torch.dtype, kind: type[nn.Module] = PackedLinear) -> boo
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Replace every plain ``nn.Linear`` under ``model`` by a :class:`PackedLinear` (or an ``AmxLinear``), and give a
-    model whose LM head is tied to a float embedding (``lm_head is None``) a packed copy of it as ``lm_head``. Returns how many were packed
-    (0 when :func:`packing_supported` says no, or the self-check fails). Quantized linears are left alone."""
+    model whose LM head is tied to a float embedding (``lm_head is None``) a packed copy of it as ``lm_head``. Returns
+    how many were packed (0 when :func:`packing_supported` says no). Quantized linears are left alone."""
     reason = packing_supported(device, dtype)
-    if reason is None and not _self_check(dtype):
-        reason = "oneDNN's packed linear differs from F.linear on this CPU"
     if reason is not None:
         log.info("dense GEMMs: F.linear (%s)", reason)
         return 0

@@ -58,6 +58,17 @@ def test_pack_linears_replaces_dense_linears_and_ties_the_head():
     assert pack_linears(f32, CPU, torch.float32) == 0 and type(f32.proj[0]) is nn.Linear and f32.lm_head is None
 
 
+def test_a_cpu_onednn_cannot_pack_for_keeps_f_linear(monkeypatch):
+    """Where oneDNN refuses to pack (bf16 on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. AMD Zen 2/3) or
+    packs differently, the linears stay ``nn.Linear`` and the tied head stays tied: start-up never fails on it."""
+    from pdserve.kernels import packed_linear
+
+    monkeypatch.setattr(packed_linear, "_self_check", lambda dtype, kind=PackedLinear: False)
+    assert "fails or differs" in packing_supported(CPU, torch.bfloat16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)).bfloat16()
+    assert pack_linears(model, CPU, torch.bfloat16) == 0 and all(type(m) is nn.Linear for m in model)
+
+
 @pytest.fixture(scope="module")
 def greedy_runs():
     """Greedy tokens of 8 prompts from a bf16 engine with F.linear, then one with packed GEMMs (same weights)."""
