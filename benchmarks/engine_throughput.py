@@ -165,7 +165,7 @@ def compare(args) -> None:
                     for n in args.decode_seqs:
                         decode["llama.cpp"][n] = decode_rate(base, "x", n, vocab, args.seed + n, *args.decode_tokens)
         if not args.skip_hf:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.hf_dtype)).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=hf_dtype(args)).eval()
             record("transformers", run_hf(model, reqs, args.batch_size, pad_id=0))
             del model
     print(f"best of {args.rounds} round(s), output tok/s (logs in {logs}):")
@@ -175,7 +175,7 @@ def compare(args) -> None:
         print(f"ratio pdserve / llama.cpp:    {best['llama.cpp'] / best['pdserve']:.2f}x")
     if "transformers" in best and "pdserve" in best:
         print(f"ratio pdserve / transformers: {best['transformers'] / best['pdserve']:.2f}x "
-              f"(transformers {args.hf_dtype}, static batches of {args.batch_size})")
+              f"(transformers {str(hf_dtype(args)).removeprefix('torch.')}, static batches of {args.batch_size})")
     if args.decode:
         print(f"decode-only steady state, output tok/s (tokens {args.decode_tokens[0]}->{args.decode_tokens[1]}):")
         for n in args.decode_seqs:
@@ -228,6 +228,15 @@ def throughput(args) -> None:
     hf_dt = run_hf(model, reqs, args.batch_size, pad_id=0)
     print(f"transformers: {hf_dt:8.1f} s  {useful / hf_dt:8.1f} output tok/s  (static batches of {args.batch_size})")
     print(f"ratio pdserve / transformers: {hf_dt / dt:.2f}x")
+
+
+def hf_dtype(args) -> torch.dtype:
+    """transformers' dtype in compare mode: ``--hf-dtype``, auto = the serving engine's own pick on this CPU."""
+    from pdserve.runtime.model_loader import resolve_dtype
+
+    if args.hf_dtype != "auto":
+        return getattr(torch, args.hf_dtype)
+    return resolve_dtype("auto", torch.float32, torch.device("cpu"))
 
 
 def ttft_prefix(args) -> None:
@@ -374,7 +383,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="offline / ttft-prefix modes: the engine's dtype")
-    p.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="transformers' dtype")
+    p.add_argument("--hf-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="transformers' dtype (auto: what `pdserve serve --dtype auto` picks on this CPU: bfloat16 "
+                        "with AVX512-BF16 or AMX, else float32, where torch's bf16 is emulated and far slower)")
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--min-prompt", type=int, default=30)
     p.add_argument("--max-prompt", type=int, default=650)

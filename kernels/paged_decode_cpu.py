@@ -14,9 +14,10 @@ GEMMs do, so that its bf16 output tracks the eager path's; it is not bit-equal t
 tests/kernels/test_paged_decode_cpu.py checks it against float64 and the eager bf16 path; the engine's float32 greedy
 parity tests run on it.
 
-Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has them, else 8-lane AVX2 + FMA ones
-(``item_avx2``: AMD Zen 2/3, Intel before Cooper Lake; 3-10x the plain loop), else a portable loop (``isa()`` says
-which). If the build fails the torch path is used (one warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
+Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has them; else the generic loop, its dot
+products, softmax and V sums on 8-lane AVX2 + FMA vectors where the CPU has those (AMD Zen 2/3, Intel before Cooper
+Lake: 3-12x the plain loop), or plain C++ (``isa()`` says which). If the build fails the torch path is used (one
+warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
 """
 
 from __future__ import annotations
@@ -130,6 +131,35 @@ void softmax_rows(float* sc, int64_t G, int64_t L, bool to_bf16) {
   }
 }
 
+// q . k over D, summed in float32: in 8 lanes with AVX2 where D is a multiple of 8, else in order
+template <typename KV>
+inline float dot(const float* q, const KV* k, int64_t D) {
+#ifdef PD_AVX2
+  if (D % 8 == 0) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+    for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+    return hsum8(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; d++) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+// out += w * v over D
+template <typename KV>
+inline void axpy(float* out, float w, const KV* v, int64_t D) {
+#ifdef PD_AVX2
+  if (D % 8 == 0) {
+    const __m256 vw = _mm256_set1_ps(w);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(vw, load8(v + d), _mm256_loadu_ps(out + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; d++) out[d] += w * to_f(v[d]);
+}
+
 // One (sequence b, KV head kh), any group size and head dim: its G query heads' scores over the context, softmax,
 // weighted V sum.
 template <typename KV>
@@ -142,8 +172,7 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
   for (int64_t t = 0; t < L; t++) {
     const KV* k = kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
     for (int64_t g = 0; g < G; g++) {
-      float s = 0.f;
-      for (int64_t d = 0; d < D; d++) s += q[g * D + d] * to_f(k[d]);
+      const float s = dot(q + g * D, k, D);
       sc[g * L + t] = bf16 ? round_bf16(s) * a.scale : s * a.scale;
     }
   }
@@ -152,43 +181,9 @@ void item(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>
   std::fill(out, out + G * D, 0.f);
   for (int64_t t = 0; t < L; t++) {
     const KV* v = kv + a.s_kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t d = 0; d < D; d++) out[g * D + d] += sc[g * L + t] * to_f(v[d]);
+    for (int64_t g = 0; g < G; g++) axpy(out + g * D, sc[g * L + t], v, D);
   }
 }
-
-#ifdef PD_AVX2
-// item on 8-lane vectors (head dim a multiple of 8): each score one FMA chain over the row and one horizontal sum,
-// the V rows added to the group's output rows in place (L1).
-template <typename KV>
-void item_avx2(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
-  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
-  const int64_t G = a.H / a.Hkv, D = a.D, L = a.lens[b], row = a.Hkv * D;
-  const float* q = a.q + (b * a.H + kh * G) * D;
-  const int64_t* table = a.tables + b * a.nb;
-  sc.resize(G * L);
-  for (int64_t t = 0; t < L; t++) {
-    const KV* k = kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
-    for (int64_t g = 0; g < G; g++) {
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), load8(k));
-      for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), load8(k + d), acc);
-      const float s = hsum8(acc);
-      sc[g * L + t] = bf16 ? round_bf16(s) * a.scale : s * a.scale;
-    }
-  }
-  softmax_rows(sc.data(), G, L, bf16);
-  float* out = a.out + (b * a.H + kh * G) * D;
-  std::fill(out, out + G * D, 0.f);
-  for (int64_t t = 0; t < L; t++) {
-    const KV* v = kv + a.s_kv + table[t / a.bs] * a.s_block + (t % a.bs) * row + kh * D;
-    for (int64_t g = 0; g < G; g++) {
-      const __m256 w = _mm256_set1_ps(sc[g * L + t]);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out + g * D + d, _mm256_fmadd_ps(w, load8(v + d), _mm256_loadu_ps(out + g * D + d)));
-    }
-  }
-}
-#endif
 
 #ifdef PD_AVX512
 // Asks for row r of one head in the next block (next: its first row; nullptr: none) while row r of this block is
@@ -376,10 +371,6 @@ ItemFn pick(int64_t G, int64_t D) {
   PD_FIXED(1, 4) PD_FIXED(2, 4) PD_FIXED(3, 4) PD_FIXED(4, 4) PD_FIXED(7, 4) PD_FIXED(8, 4)
   PD_FIXED(1, 8) PD_FIXED(2, 8) PD_FIXED(3, 8) PD_FIXED(4, 8) PD_FIXED(7, 8) PD_FIXED(8, 8)
 #undef PD_FIXED
-#elif defined(PD_AVX2)
-  if (D % 8 == 0)
-    return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
-      item_avx2<KV>(a, (const KV*)kv, b, kh, sc); };
 #endif
   return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
     item<KV>(a, (const KV*)kv, b, kh, sc); };
