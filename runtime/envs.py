@@ -69,6 +69,12 @@ def cpu_packed_gemm() -> bool:
     return _switched_on("PDSERVE_CPU_PACKED_GEMM")
 
 
+def cpu_small_rows_gemm() -> bool:
+    """Whether float32 dense linears of 2-16 rows on CPUs without AVX-512 run as ``(W X^T)^T``
+    (PDSERVE_CPU_SMALL_ROWS_GEMM, default on; ``0`` keeps ``F.linear``: kernels/small_rows_linear.py)."""
+    return _switched_on("PDSERVE_CPU_SMALL_ROWS_GEMM")
+
+
 def cpu_amx_linear() -> bool:
     """Whether bf16 dense linears on CPUs with AMX run pdserve's AMX kernel rather than oneDNN's packed one
     (PDSERVE_CPU_AMX_LINEAR, default on; ``0`` keeps oneDNN: kernels/amx_linear.py)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels import greedy_head_cpu
+from pdserve.kernels import greedy_head_cpu, small_rows_linear
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.kernels.packed_linear import pack_linears
 from pdserve.runtime import envs
@@ -74,6 +74,7 @@ class ModelRunner:
         self.device = device
         if envs.cpu_packed_gemm():
             pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
+        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 2-16 rows
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage

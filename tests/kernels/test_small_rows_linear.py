@@ -1,0 +1,76 @@
+"""Float32 linears of 2-16 rows as ``(W X^T)^T`` on CPUs without AVX-512 (kernels/small_rows_linear.py): within float32
+rounding of ``F.linear`` (bit-equal where it does not serve), the model's linears swapped without copies where it
+applies and nowhere else, and the engine really runs it with the same greedy tokens as ``F.linear``. Exact float32
+parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such
+CPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import small_rows_linear
+from pdserve.kernels.small_rows_linear import SmallRowsLinear, applies, swap_linears
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_same_products_as_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    dense = nn.Linear(576, 960, bias=bias)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(960, 576, generator=gen) * 0.05)
+    layer = SmallRowsLinear(576, 960, bias=bias)
+    layer.load_state_dict(dense.state_dict())
+    x = torch.randn(rows, 576, generator=gen)
+    before = SmallRowsLinear.served
+    y, want = layer(x), F.linear(x, dense.weight, dense.bias)
+    assert y.shape == want.shape and y.is_contiguous()
+    assert SmallRowsLinear.served - before == (2 <= rows <= 16)   # it served exactly the 2-16 row products
+    if rows in (1, 17, 40):
+        assert torch.equal(y, want)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y3 = layer(x.view(1, rows, 576))   # leading dims are kept
+    assert y3.shape == (1, rows, 960) and torch.equal(y3[0], y)
+
+
+def test_swapped_only_where_it_applies_and_without_copies(monkeypatch):
+    zen3, sapphire = frozenset({"avx2", "fma"}), frozenset({"avx2", "fma", "avx512f", "amx_bf16"})
+    assert applies(CPU, torch.float32, zen3) and not applies(CPU, torch.bfloat16, zen3)
+    assert not applies(CPU, torch.float32, sapphire) and not applies(torch.device("meta"), torch.float32, zen3)
+    monkeypatch.setenv("PDSERVE_CPU_SMALL_ROWS_GEMM", "0")
+    assert not applies(CPU, torch.float32, zen3)
+    monkeypatch.delenv("PDSERVE_CPU_SMALL_ROWS_GEMM")
+    monkeypatch.setattr(small_rows_linear, "applies", lambda device, dtype: dtype == torch.float32)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 8, bias=False)), nn.Embedding(4, 16))
+    weight = model[0].weight
+    assert swap_linears(model, CPU, torch.float32) == 2
+    assert type(model[0]) is SmallRowsLinear and type(model[1][0]) is SmallRowsLinear
+    assert model[0].weight is weight   # the same parameter, not a copy
+    assert swap_linears(nn.Sequential(nn.Linear(4, 4)).bfloat16(), CPU, torch.bfloat16) == 0
+
+
+@pytest.mark.skipif(not applies(CPU, torch.float32), reason="float32 linears take this path only on CPUs without "
+                                                           "AVX-512 (this one has it, or it is switched off)")
+def test_engine_runs_it_with_the_same_greedy_tokens(monkeypatch):
+    from pdserve.runtime import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,"]
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_CPU_SMALL_ROWS_GEMM", on)
+        before = SmallRowsLinear.served
+        llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks=32)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            runs[on] = ([o.outputs[0].token_ids for o in outs], SmallRowsLinear.served - before,
+                        type(llm.engine.model.layers[0].mlp.down_proj))
+        finally:
+            llm.shutdown()
+    assert runs["0"][1] == 0 and runs["0"][2] is nn.Linear
+    assert runs["1"][1] > 0 and runs["1"][2] is SmallRowsLinear   # the 4-sequence decode steps ran on it
+    assert runs["1"][0] == runs["0"][0]
