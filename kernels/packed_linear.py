@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,19 +87,27 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     kind, kernel = _kernel(dtype)
     # the LM head stays in the AMX kernel's plain tiles: the greedy head (kernels/greedy_head_cpu.py) reads them
     head = {} if kind is PackedLinear else {"lossless": False}
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in _DTYPES:
-                kwargs = head if parent is model and name == "lm_head" else {}
-                setattr(parent, name, kind(child.weight, child.bias, **kwargs))
-                count += 1
+    count = replace_linears(model, _DTYPES, lambda parent, name, child: kind(
+        child.weight, child.bias, **(head if parent is model and name == "lm_head" else {})))
     embed = getattr(model, "embed_tokens", None)
     if (hasattr(model, "lm_head") and model.lm_head is None and getattr(model, "quant_head", None) is None
             and type(embed) is nn.Embedding and embed.weight.dtype in _DTYPES):
         model.lm_head = kind(embed.weight, None, **head)   # a copy: the embedding lookup keeps the plain rows
         count += 1
     log.info("dense GEMMs: %d linears packed for %s (%s)", count, kernel, str(dtype).removeprefix("torch."))
+    return count
+
+
+def replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...],
+                    make: Callable[[nn.Module, str, nn.Linear], nn.Module]) -> int:
+    """Replaces every plain ``nn.Linear`` under ``model`` whose weight is of ``dtypes`` by ``make(parent, its name
+    there, it)``; returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype in dtypes:
+                setattr(parent, name, make(parent, name, child))
+                count += 1
     return count
 
 

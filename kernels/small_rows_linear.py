@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.packed_linear import replace_linears
+
 log = logging.getLogger(__name__)
 
 ROWS = range(2, 17)   # the row counts served; elsewhere F.linear
@@ -33,6 +35,13 @@ class SmallRowsLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters) whose products of 2-16 rows run as ``(W X^T)^T``."""
 
     served = 0
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "SmallRowsLinear":
+        """One holding ``linear``'s own parameters (not copies)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -61,14 +70,6 @@ def swap_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     copies) where :func:`applies`; returns how many."""
     if not applies(device, dtype):
         return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                new = SmallRowsLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                      device="meta")
-                new.weight, new.bias = child.weight, child.bias
-                setattr(parent, name, new)
-                count += 1
+    count = replace_linears(model, (torch.float32,), lambda parent, name, child: SmallRowsLinear.of(child))
     log.info("dense GEMMs: %d float32 linears run 2-16 rows as (W X^T)^T", count)
     return count
