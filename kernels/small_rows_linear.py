@@ -1,15 +1,16 @@
 """Float32 dense linears of a few rows on CPUs without AVX-512: ``y = (W X^T)^T`` instead of ``X W^T``.
 
-Why: a decode step of 2-16 sequences multiplies 2-16 rows by every weight, so its linears should cost one read of the
-weights from memory. torch's ``F.linear`` (MKL's sgemm) at those shapes reads them at well under the memory's speed on
-a 2-core AMD EPYC (Zen 3, AVX2): the default model's 120 decoder linears take 49-55 ms at 2-16 rows against 30 ms at
-one row. The same sgemm with the operands' roles swapped (the weight as the left-hand matrix, the few rows as the
-right-hand columns) takes 21-22 ms at 2-4 rows and 36-44 ms at 8-16: 2.3x and 1.26x (benchmarks/RESULTS.md). From 32
-rows on, and at one row, the two run alike; a prefill's hundreds of rows run faster as ``F.linear``.
+Why: a decode step of 2-128 sequences multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
+at those shapes runs well below the CPU's speed on a 2-core AMD EPYC (Zen 3, AVX2); the same sgemm with the operands'
+roles swapped (the weight as the left-hand matrix, the few rows as the right-hand columns) does not. The default
+model's 120 decoder linears, 2 threads: ``F.linear`` 50 ms at 2-4 rows, 54 at 16, 95 at 32, 143 at 64, 238 at 128;
+swapped 21-22, 45, 65, 106, 193. At one row the two run alike; from ~160 rows on (a prefill) ``F.linear`` is as
+fast or faster (benchmarks/RESULTS.md). The tied LM head (49,152 x 576) gains the same way at 2-32 rows (18-20 ms ->
+5-16 ms at 4-16); the model calls its ``head_gemm``, which :func:`swap_linears` points here.
 
-Numerics: both are MKL's float32 sgemm over the same K; at 1 and 16+ rows the outputs are bit-equal, at 2-8 rows
-they differ by float32 rounding (~5e-7 of the output), as batched rows already differ from a single row's GEMV.
-Greedy float32 output keeps transformers' tokens (the engine parity tests run on it where it applies).
+Numerics: both are MKL's float32 sgemm over the same K; where this path does not serve the outputs are bit-equal,
+where it does they differ by float32 rounding (~5e-7 of the output), as batched rows already differ from a single
+row's GEMV. Greedy float32 output keeps transformers' tokens (the engine parity tests run on it where it applies).
 
 Only where measured: float32 on CPUs without AVX-512 (there bf16 is emulated and ``--dtype auto`` picks float32); an
 AVX-512 host runs bf16 by default, with its own kernels. ``PDSERVE_CPU_SMALL_ROWS_GEMM=0`` keeps ``F.linear``.
@@ -28,11 +29,11 @@ from pdserve.kernels.packed_linear import replace_linears
 
 log = logging.getLogger(__name__)
 
-ROWS = range(2, 17)   # the row counts served; elsewhere F.linear
+ROWS = range(2, 129)   # the row counts served; elsewhere F.linear
 
 
 class SmallRowsLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters) whose products of 2-16 rows run as ``(W X^T)^T``."""
+    """An ``nn.Linear`` (same parameters) whose products of 2-128 rows run as ``(W X^T)^T``."""
 
     served = 0
 
@@ -44,14 +45,19 @@ class SmallRowsLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        if rows not in ROWS:
-            return F.linear(x, self.weight, self.bias)
-        SmallRowsLinear.served += 1
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()
-        if self.bias is not None:
-            y += self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, as ``(W X^T)^T`` when ``x`` has a number of rows in :data:`ROWS`."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if rows not in ROWS:
+        return F.linear(x, weight, bias)
+    SmallRowsLinear.served += 1
+    y = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def applies(device: torch.device, dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
@@ -67,9 +73,12 @@ def applies(device: torch.device, dtype: torch.dtype, flags: frozenset[str] | No
 
 def swap_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Makes every plain float32 ``nn.Linear`` under ``model`` a :class:`SmallRowsLinear` (its own parameters, not
-    copies) where :func:`applies`; returns how many."""
+    copies), and the model's ``head_gemm`` (if it has one) :func:`linear`, where :func:`applies`; returns how many
+    linears."""
     if not applies(device, dtype):
         return 0
     count = replace_linears(model, (torch.float32,), lambda parent, name, child: SmallRowsLinear.of(child))
-    log.info("dense GEMMs: %d float32 linears run 2-16 rows as (W X^T)^T", count)
+    if hasattr(model, "head_gemm"):   # a tied LM head is no module: its product is the model's head_gemm
+        model.head_gemm = linear
+    log.info("dense GEMMs: %d float32 linears and the LM head run 2-128 rows as (W X^T)^T", count)
     return count

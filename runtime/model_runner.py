@@ -74,7 +74,7 @@ class ModelRunner:
         self.device = device
         if envs.cpu_packed_gemm():
             pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
-        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 2-16 rows
+        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 2-128 rows
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage

@@ -229,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("cos_sin", None, persistent=False)  # (max_model_len, 2, D) float32, set by load_weights
         self.quant_head: nn.Module | None = None  # tied LM head over a quantized embedding (see load_weights)
+        self.head_gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear   # the LM head's product
         self.layer_stack = LayerStack(self)   # a small bf16 CPU step's layers in one C++ call, where it applies
 
     def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -247,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(self.lm_head, (nn.Linear, type(None))):
             return self.lm_head(hidden).float()                           # a quantized LM head
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()                           # (N, vocab)
+        return self.head_gemm(hidden, weight).float()                     # (N, vocab)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], device: torch.device,

@@ -1,4 +1,4 @@
-"""Float32 linears of 2-16 rows as ``(W X^T)^T`` on CPUs without AVX-512 (kernels/small_rows_linear.py): within float32
+"""Float32 linears of 2-128 rows as ``(W X^T)^T`` on CPUs without AVX-512 (kernels/small_rows_linear.py): within float32
 rounding of ``F.linear`` (bit-equal where it does not serve), the model's linears swapped without copies where it
 applies and nowhere else, and the engine really runs it with the same greedy tokens as ``F.linear``. Exact float32
 parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such
@@ -17,7 +17,7 @@ from pdserve.kernels.small_rows_linear import SmallRowsLinear, applies, swap_lin
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 40, 128, 129, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_same_products_as_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -30,8 +30,8 @@ def test_same_products_as_f_linear(rows, bias):
     before = SmallRowsLinear.served
     y, want = layer(x), F.linear(x, dense.weight, dense.bias)
     assert y.shape == want.shape and y.is_contiguous()
-    assert SmallRowsLinear.served - before == (2 <= rows <= 16)   # it served exactly the 2-16 row products
-    if rows in (1, 17, 40):
+    assert SmallRowsLinear.served - before == (2 <= rows <= 128)   # it served exactly the 2-128 row products
+    if rows in (1, 129, 300):
         assert torch.equal(y, want)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y3 = layer(x.view(1, rows, 576))   # leading dims are kept
@@ -67,10 +67,12 @@ def test_engine_runs_it_with_the_same_greedy_tokens(monkeypatch):
         llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks=32)
         try:
             outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            model = llm.engine.model
             runs[on] = ([o.outputs[0].token_ids for o in outs], SmallRowsLinear.served - before,
-                        type(llm.engine.model.layers[0].mlp.down_proj))
+                        type(model.layers[0].mlp.down_proj), model.head_gemm)
         finally:
             llm.shutdown()
-    assert runs["0"][1] == 0 and runs["0"][2] is nn.Linear
+    assert runs["0"][1] == 0 and runs["0"][2] is nn.Linear and runs["0"][3] is F.linear
     assert runs["1"][1] > 0 and runs["1"][2] is SmallRowsLinear   # the 4-sequence decode steps ran on it
+    assert runs["1"][3] is small_rows_linear.linear               # and the tied LM head's products
     assert runs["1"][0] == runs["0"][0]
