@@ -14,9 +14,12 @@ GEMMs do, so that its bf16 output tracks the eager path's; it is not bit-equal t
 tests/kernels/test_paged_decode_cpu.py checks it against float64 and the eager bf16 path; the engine's float32 greedy
 parity tests run on it.
 
-Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has them; else the generic loop, its dot
-products, softmax and V sums on 8-lane AVX2 + FMA vectors where the CPU has those (AMD Zen 2/3, Intel before Cooper
-Lake: 3-12x the plain loop), or plain C++ (``isa()`` says which). If the build fails the torch path is used (one
+Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has them; else 8-lane AVX2 + FMA vectors
+where the CPU has those (AMD Zen 2/3, Intel before Cooper Lake): for common shapes (GQA group 1-4, 7, 8; head dim 64
+or 128; a block size that is a multiple of 8) a fixed-shape item that scores 8 K rows at a time and keeps its V sums
+in registers (float32, one layer of the default model, cold cache: 1.5 -> 0.86 ms at 32 sequences, 3.0 -> 1.8 ms at
+64), else the generic loop's dot products, softmax and V sums (3-12x the plain loop); or plain C++ (``isa()`` says
+which). If the build fails the torch path is used (one
 warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
 """
 
@@ -342,6 +345,84 @@ void seq_fixed(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {
     }
   }
 }
+#elif defined(PD_AVX2)
+// The partial sums of 4 rows (each 8 lanes) -> [r0 r1 r2 r3 (lanes 0-3) | r0 r1 r2 r3 (lanes 4-7)]
+inline __m256 pair_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  return _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+}
+
+// q . k for the n <= 4 rows k, k + row, ... (the rest 0), as pair_sums4 lays them out; q: one head in registers
+template <typename KV, int DV>
+inline __m256 dots4(const __m256 (&qv)[DV], const KV* k, int64_t row, int64_t n) {
+  __m256 acc[4];
+  for (int r = 0; r < 4; r++) {
+    acc[r] = _mm256_setzero_ps();
+    if (r < n)
+      for (int j = 0; j < DV; j++) acc[r] = _mm256_fmadd_ps(qv[j], load8(k + r * row + 8 * j), acc[r]);
+  }
+  return pair_sums4(acc[0], acc[1], acc[2], acc[3]);
+}
+
+// One (sequence b, KV head kh) for a fixed group size G and head dim 8 * DV, on AVX2's 16 vector registers: each
+// query head's scores 8 K rows at a time (the head in registers, the 8 rows' sums reduced together by horizontal adds
+// where one horizontal sum per row costs ~4x the work), then the V sums with the G x H output vectors in registers,
+// H of the head's DV vectors at a time (G * H <= 12). The V sums add in the generic item's order; the scores' sums in
+// another (float32 rounding apart). A block size that is not a multiple of 8 takes the generic item.
+template <typename KV, int G, int DV>
+void item_fixed8(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
+  if (a.bs % 8 != 0) return item<KV>(a, kv, b, kh, sc);
+  constexpr int64_t D = 8 * DV;
+  constexpr int H = G * DV <= 12 ? DV : (G <= 3 && DV % 4 == 0 ? 4 : (G <= 6 && DV % 2 == 0 ? 2 : 1));
+  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
+  const int64_t L = a.lens[b], row = a.Hkv * D, nblk = (L + a.bs - 1) / a.bs;
+  const int64_t* table = a.tables + b * a.nb;
+  const float* q = a.q + (b * a.H + kh * G) * D;
+  sc.resize(G * L);
+  float* s = sc.data();
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  const auto k_at = [&](int64_t i) { return kv + table[i] * a.s_block + kh * D; };  // the head's first K row
+  for (int64_t i = 0; i < nblk; i++) {
+    const KV* k = k_at(i);
+    const int64_t rows = std::min(a.bs, L - i * a.bs);
+    for (int g = 0; g < G; g++) {
+      __m256 qv[DV];
+      for (int j = 0; j < DV; j++) qv[j] = _mm256_loadu_ps(q + g * D + 8 * j);
+      for (int64_t r = 0; r < rows; r += 8) {
+        const int64_t n = std::min<int64_t>(8, rows - r);
+        const __m256 lo = dots4<KV, DV>(qv, k + r * row, row, n), hi = dots4<KV, DV>(qv, k + (r + 4) * row, row, n - 4);
+        __m256 tot = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+        tot = _mm256_mul_ps(bf16 ? round8(tot) : tot, scale);
+        float* dst = s + g * L + i * a.bs + r;
+        if (n == 8) {
+          _mm256_storeu_ps(dst, tot);
+        } else {
+          alignas(32) float part[8];
+          _mm256_store_ps(part, tot);
+          std::memcpy(dst, part, n * sizeof(float));
+        }
+      }
+    }
+  }
+  softmax_rows(s, G, L, bf16);
+  float* out = a.out + (b * a.H + kh * G) * D;
+  for (int h = 0; h < DV; h += H) {
+    __m256 o[G][H];
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < H; j++) o[g][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nblk; i++) {
+      const KV* v = k_at(i) + a.s_kv + 8 * h;
+      const float* p = s + i * a.bs;
+      for (int64_t r = 0, rows = std::min(a.bs, L - i * a.bs); r < rows; r++) {
+        for (int g = 0; g < G; g++) {
+          const __m256 w = _mm256_set1_ps(p[g * L + r]);
+          for (int j = 0; j < H; j++) o[g][j] = _mm256_fmadd_ps(w, load8(v + r * row + 8 * j), o[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < H; j++) _mm256_storeu_ps(out + g * D + 8 * (h + j), o[g][j]);
+  }
+}
 #endif
 
 using ItemFn = void (*)(const Args&, const void*, int64_t, int64_t, std::vector<float>&);
@@ -371,6 +452,14 @@ ItemFn pick(int64_t G, int64_t D) {
   PD_FIXED(1, 4) PD_FIXED(2, 4) PD_FIXED(3, 4) PD_FIXED(4, 4) PD_FIXED(7, 4) PD_FIXED(8, 4)
   PD_FIXED(1, 8) PD_FIXED(2, 8) PD_FIXED(3, 8) PD_FIXED(4, 8) PD_FIXED(7, 8) PD_FIXED(8, 8)
 #undef PD_FIXED
+#elif defined(PD_AVX2)
+#define PD_FIXED8(g, dv) \
+  if (G == g && D == 8 * dv) \
+    return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) { \
+      item_fixed8<KV, g, dv>(a, (const KV*)kv, b, kh, sc); };
+  PD_FIXED8(1, 8) PD_FIXED8(2, 8) PD_FIXED8(3, 8) PD_FIXED8(4, 8) PD_FIXED8(7, 8) PD_FIXED8(8, 8)
+  PD_FIXED8(1, 16) PD_FIXED8(2, 16) PD_FIXED8(3, 16) PD_FIXED8(4, 16) PD_FIXED8(7, 16) PD_FIXED8(8, 16)
+#undef PD_FIXED8
 #endif
   return [](const Args& a, const void* kv, int64_t b, int64_t kh, std::vector<float>& sc) {
     item<KV>(a, (const KV*)kv, b, kh, sc); };

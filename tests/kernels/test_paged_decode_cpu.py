@@ -1,6 +1,7 @@
 """The paged decode-attention CPU kernel (kernels/paged_decode_cpu.py): against a float64 reference on ragged
-contexts with poisoned unused slots, on both its register-tiled path (GQA group 3, head dim 64: the default model) and
-its generic loop, and on its AVX2 and plain builds; out-of-range tables are errors; the engine really runs it by
+contexts with poisoned unused slots, on both its register-tiled path (GQA group 3, head dim 64: the default model;
+AVX2's fixed-shape item on such CPUs, with block sizes that are and are not a multiple of 8) and its generic loop, and
+on its AVX2 and plain builds; out-of-range tables are errors; the engine really runs it by
 default and its bf16 greedy output agrees with the torch path's (the issue's bar: the same top-1 token on >= 99% of
 positions). float32 transformers parity runs on it through the unchanged parity tests
 (tests/runtime/test_engine_vs_hf.py)."""
@@ -62,6 +63,20 @@ def test_kernel_matches_float64(dtype, heads, kv_heads, head_dim):
     ref = _reference(q, kv, tables, lens_t, head_dim ** -0.5)
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err <= (4e-6 if dtype == torch.float32 else 1e-2), err   # bf16: the output's own rounding
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 12, 32])
+def test_block_sizes(dtype, block_size):
+    """Block sizes other than the engine's 16: the AVX2 fixed-shape item reads K 8 rows at a time within a block (a
+    multiple of 8), and hands any other block size to the generic loop."""
+    lens = [1, 7, 8, 9, 12, 13, 31, 100]
+    q, kv, tables, lens_t = _case(dtype, 9, 3, 64, lens, seed=block_size, block_size=block_size)
+    out = paged_decode_cpu.paged_decode(q, kv, tables, lens_t, 0.125)
+    ref = _reference(q, kv, tables, lens_t, 0.125)
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err <= (4e-6 if dtype == torch.float32 else 1e-2), err
 
 
 @needs_kernel
