@@ -21,7 +21,10 @@ Build: compiled on first use with ``torch.utils.cpp_extension.load`` (gcc + ninj
 ``$PDSERVE_CACHE_DIR/torch_extensions/<name>``, the name keyed by a hash of the source, the torch version, the compiler
 flags and the CPU's flags, so a stale or foreign build is never loaded; later processes only load it. Work is split
 over output rows with ``at::parallel_for`` (torch's own thread pool). AVX-512 (F + BW) intrinsics where the CPU has
-them, a portable C++ loop elsewhere. If the build fails (no compiler, no headers) the method logs one line and declines
+them; else AVX2 + FMA intrinsics where it has those (AMD Zen 2/3: the same per-lane sums as the AVX-512 path, in two
+8-lane halves; the default model's 120 decoder linears as Q4_1 codes, 2 threads: 51.6 -> 8.2 ms at one row against
+the compiler-vectorized loop, 3.4x a dense float32 ``F.linear`` there, 1.2x at 8 rows, slower from 16); a portable C++
+loop elsewhere (``isa()`` says which). If the build fails (no compiler, no headers) the method logs one line and declines
 every weight, so the registry falls back to ``dequant``: start-up never fails on it.
 """
 
@@ -43,13 +46,23 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cstdint>
+#include <string>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PD_AVX2 1
 #endif
 
 namespace {
-constexpr int64_t MB = 8;  // activation rows per pass over a weight row: weights are read once per MB rows
+// activation rows per pass over a weight row: weights are read once per MB rows (AVX2: its 16 vector registers hold
+// the sums of 4)
+#ifdef PD_AVX2
+constexpr int64_t MB = 4;
+#else
+constexpr int64_t MB = 8;
+#endif
 
 struct Args {
   const float* x; const uint8_t* codes; const float* scale; const float* zero; const float* xsum; float* y;
@@ -98,7 +111,54 @@ void row(const Args& a, int64_t n, int64_t m0) {
     if (z) for (int64_t g = 0; g < ng; g++) zacc += z[g] * a.xsum[(m0 + m) * ng + g];
     a.y[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(acc[m]) + zacc;
   }
-#else  // the same sums in 16 explicit lanes (what the compiler vectorizes, e.g. with AVX2): the AVX-512 order
+#elif defined(PD_AVX2)  // the AVX-512 sums, each of its 16 lanes' sums in the same order: lanes 0-7 in [0], 8-15 in [1]
+  __m256 acc[NM][2], t[NM][2];
+  for (int m = 0; m < NM; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m256i off = _mm256_set1_epi32(a.is_signed ? 8 : 0);
+  const auto nibbles = [&](__m128i b) {   // the low 8 bytes' codes as floats
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), off));
+  };
+  const auto bytes = [&](__m128i b) {
+    return _mm256_cvtepi32_ps(a.is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  };
+  for (int64_t g = 0; g < ng; g++) {
+    for (int m = 0; m < NM; m++) t[m][0] = t[m][1] = _mm256_setzero_ps();
+    if (BITS == 4) {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)(c + k / 2));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m256 q0 = nibbles(lo), q1 = nibbles(_mm_srli_si128(lo, 8));   // codes 0-7, 8-15
+        const __m256 q2 = nibbles(hi), q3 = nibbles(_mm_srli_si128(hi, 8));   // codes 16-23, 24-31
+        for (int m = 0; m < NM; m++) {
+          const float* xm = x + m * K + k;
+          t[m][0] = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xm + 16), _mm256_fmadd_ps(q0, _mm256_loadu_ps(xm), t[m][0]));
+          t[m][1] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xm + 24), _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8), t[m][1]));
+        }
+      }
+    } else {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)(c + k));
+        const __m256 q0 = bytes(b), q1 = bytes(_mm_srli_si128(b, 8));
+        for (int m = 0; m < NM; m++) {
+          t[m][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(x + m * K + k), t[m][0]);
+          t[m][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + m * K + k + 8), t[m][1]);
+        }
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(s[g]);
+    for (int m = 0; m < NM; m++)
+      for (int h = 0; h < 2; h++) acc[m][h] = _mm256_fmadd_ps(t[m][h], sv, acc[m][h]);
+  }
+  for (int m = 0; m < NM; m++) {
+    float zacc = 0.f;
+    if (z) for (int64_t g = 0; g < ng; g++) zacc += z[g] * a.xsum[(m0 + m) * ng + g];
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[m][0]), _mm256_castps256_ps128(acc[m][1]));
+    r = _mm_add_ps(r, _mm_add_ps(_mm256_extractf128_ps(acc[m][0], 1), _mm256_extractf128_ps(acc[m][1], 1)));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    a.y[(m0 + m) * a.N + n] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r))) + zacc;
+  }
+#else  // the same sums in 16 explicit lanes (what the compiler vectorizes): the AVX-512 order
   float acc[NM][16] = {};
   const int off = a.is_signed ? 8 : 0;
   for (int64_t g = 0; g < ng; g++) {
@@ -175,6 +235,15 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
 TORCH_LIBRARY(pdserve_qf32, m) {
   m.def("mm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int bits, int group_size, bool is_signed) -> Tensor");
   m.impl("mm", c10::DispatchKey::CPU, TORCH_FN(mm));
+  m.def("isa() -> str", []() -> std::string {  // the vector path this build compiled
+#if defined(PD_AVX512)
+    return "avx512";
+#elif defined(PD_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+  });
 }
 """
 

@@ -7,7 +7,7 @@ this kernel exists to remove, would be ~1e-3.
 
 Shapes: the default model's (K = 576 hidden, 1536 MLP; N = 192 k/v, 960 fused q/k/v, 3072 fused gate/up) and edges:
 one group (K = 32 / 16), N not a multiple of the 16-row thread grain, batch 1, 7 (not a multiple of the kernel's
-8-row block) and 32. The first test on a clean cache dir builds the extension (~10-20 s on 2 cores; the portable build another ~10 s).
+8-row block, 4 on AVX2) and 32. The first test on a clean cache dir builds the extension (~10-20 s on 2 cores; the portable build another ~10 s).
 """
 
 from __future__ import annotations
@@ -135,12 +135,13 @@ def test_build_is_keyed_and_cached():
 
 
 PORTABLE = """
-import torch
+import sys, torch
 from pdserve.kernels import linear_f32_cpu as m
 from pdserve.kernels.linear_base import QuantizedWeight
 from pdserve.runtime.quantization import quantize_int4, quantize_int8
-m._cflags = lambda: ["-O3"]  # no -mavx512*: __AVX512F__ undefined, the portable C++ loop
+m._cflags = lambda: sys.argv[1:]  # no -mavx512*: __AVX512F__ undefined; the AVX2 path or the portable C++ loop
 assert m.load_extension() is None
+print(torch.ops.pdserve_qf32.isa())
 torch.manual_seed(0)
 w = torch.randn(40, 576)
 sc = w.view(40, 9, 64).abs().amax(-1) / 7
@@ -156,11 +157,27 @@ print(worst)
 """
 
 
-def test_portable_path_builds_and_matches():
-    """The non-AVX-512 loop (what a CPU without AVX-512 runs), built in a child process: one op library a process."""
+@pytest.mark.parametrize("flags, isa", [(["-O3"], "portable"), (["-O3", "-mavx2", "-mfma"], "avx2")])
+def test_other_vector_paths_build_and_match(flags, isa):
+    """The paths a CPU without AVX-512 runs, each built in a child process (one op library a process): the plain loop
+    and, on any CPU with AVX2 + FMA, the AVX2 path (e.g. AMD Zen 2/3)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, timeout=600)
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    out = subprocess.run([sys.executable, "-c", PORTABLE, *flags], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.strip().splitlines()[-1]) <= TOL
+    built, worst = out.stdout.split()[-2:]
+    assert built == isa and float(worst) <= TOL
+
+
+def test_default_build_takes_the_widest_vector_path_the_cpu_has():
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    assert linear_f32_cpu.load_extension() is None
+    flags = cpu_flags()
+    want = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert torch.ops.pdserve_qf32.isa() == want
