@@ -22,7 +22,7 @@ from llamacpp import free_port, running
 FAST_PATHS_OFF = {"PDSERVE_CPU_PACKED_GEMM": "0", "PDSERVE_CPU_DECODE_ATTENTION": "torch",
                   "PDSERVE_CPU_PREFILL_ATTENTION": "torch", "PDSERVE_CPU_FUSED_ELEMENTWISE": "0",
                   "PDSERVE_CPU_AMX_LINEAR": "0", "PDSERVE_CPU_AMX_LOSSLESS": "0", "PDSERVE_CPU_LAYER_STACK": "0",
-                  "PDSERVE_CPU_GREEDY_HEAD": "0"}
+                  "PDSERVE_CPU_GREEDY_HEAD": "0", "PDSERVE_CPU_SMALL_ROWS_GEMM": "0", "PDSERVE_CPU_GGUF_CODES": "0"}
 
 
 def start_once(env: dict[str, str], timeout: float) -> float:

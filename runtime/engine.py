@@ -69,6 +69,7 @@ class LLMEngine:
             block_bytes += kv_block_bytes(draft.num_layers, block_size, draft.num_kv_heads, draft.head_dim, self.dtype)
         num_blocks = determine_num_blocks(config, block_bytes, self.max_model_len, self.device)
         self.runner = ModelRunner(m, num_blocks, block_size, self.dtype, self.device, config.model.seed)
+        self.weight_bytes += self.runner.extra_weight_bytes
         self.lora = None
         if config.lora.enable_lora:
             from pdserve.runtime.lora_manager import LoRAManager

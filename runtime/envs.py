@@ -75,6 +75,13 @@ def cpu_small_rows_gemm() -> bool:
     return _switched_on("PDSERVE_CPU_SMALL_ROWS_GEMM")
 
 
+def cpu_gguf_codes() -> bool:
+    """Whether float32 dense linears loaded from GGUF blocks run steps of 1-8 rows on those blocks' codes on CPUs
+    without AVX-512 (PDSERVE_CPU_GGUF_CODES, default on; ``0`` keeps the dense weights alone:
+    kernels/gguf_codes_linear.py)."""
+    return _switched_on("PDSERVE_CPU_GGUF_CODES")
+
+
 def cpu_amx_linear() -> bool:
     """Whether bf16 dense linears on CPUs with AMX run pdserve's AMX kernel rather than oneDNN's packed one
     (PDSERVE_CPU_AMX_LINEAR, default on; ``0`` keeps oneDNN: kernels/amx_linear.py)."""

@@ -177,6 +177,7 @@ def build_model(path: Path, hf_config: Any, device: torch.device, dtype: torch.d
         weights = _iter_safetensors(path)
     at_load = {"int8": quantize_int8, "int4": quantize_int4}.get(getattr(qplan, "quantize_at_load", None) or "")
     model.load_weights(weights, device=device, dtype=dtype, quantize_at_load=at_load)
+    model.gguf_source = gguf if source == "float" else None   # dense weights dequantized from it (if any)
     return model.eval()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels import greedy_head_cpu, small_rows_linear
+from pdserve.kernels import greedy_head_cpu, gguf_codes_linear, small_rows_linear
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.kernels.packed_linear import pack_linears
 from pdserve.runtime import envs
@@ -75,6 +75,8 @@ class ModelRunner:
         if envs.cpu_packed_gemm():
             pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
         small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 2-128 rows
+        gguf_codes_linear.attach(model, getattr(model, "gguf_source", None), device, dtype)   # and at 1-8 rows
+        self.extra_weight_bytes = gguf_codes_linear.codes_bytes(model)   # codes held next to the dense weights
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage

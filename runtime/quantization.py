@@ -2,7 +2,9 @@
 
 ``auto``  the checkpoint decides: a compressed-tensors checkpoint is served quantized with its own scheme; everything
           else, including GGUF files and the default model, is dequantized at load as before (the dense bf16 engine
-          is the default's speed baseline). Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller).
+          is the default's speed baseline). Ask for ``int4`` to keep the shipped Q4_1 blocks (~4x smaller). On CPUs
+          without AVX-512, where the dense model runs float32, it also keeps those blocks' codes next to the dense
+          weights and runs steps of 1-8 rows on them (kernels/gguf_codes_linear.py: bit-exact weights, +21% memory).
 ``none``  dequantize everything to ``--dtype`` (compressed-tensors too).
 ``int4``  GGUF: Q4_0/Q4_1/Q8_0 tensors kept as stored (exact mapping); float checkpoints and float GGUF tensors:
           linear layers quantized group-wise at load (asymmetric, 4 bits, group 128/64/32 - the largest dividing K).

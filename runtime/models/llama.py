@@ -272,6 +272,31 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                           # (max_model_len, D)
         self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)  # (max_model_len, 2, D)
 
+    def quantized_twins(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+                        ) -> dict[str, QuantizedWeight]:
+        """The quantized values among ``(hf_name, tensor)`` pairs, by our module name ("embed_tokens",
+        "layers.0.self_attn.qkv_proj", ...): fused shards concatenated when all are quantized alike, else left out."""
+        found: dict[str, QuantizedWeight] = {}
+        shards: dict[str, dict[int, QuantizedWeight]] = {}
+        for hf_name, value in weights:
+            name = hf_name.removeprefix("model.")
+            if not isinstance(value, QuantizedWeight) or not name.endswith(".weight"):
+                continue
+            name = name.removesuffix(".weight")
+            for hf_part, (ours, idx) in _FUSED.items():
+                if f".{hf_part}" in f".{name}" and name.endswith(hf_part):
+                    shards.setdefault(name.replace(hf_part, ours), {})[idx] = value
+                    break
+            else:
+                found[name] = value
+        for name, parts in shards.items():
+            if len(parts) == _NUM_SHARDS[name.split(".", 2)[-1]]:
+                try:
+                    found[name] = QuantizedWeight.cat([parts[i] for i in sorted(parts)])
+                except ValueError:
+                    pass   # shards quantized differently: no twin
+        return found
+
     def _load(self, weights, params, shards, loaded, device, dtype) -> None:
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")

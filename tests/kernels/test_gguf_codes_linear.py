@@ -1,0 +1,120 @@
+"""Float32 steps of 1-8 rows on a dense model's GGUF codes (kernels/gguf_codes_linear.py): products within float32
+rounding of the dense weight's, only where the codes are the dense weight bit for bit, the codes cached once and
+reused, and the engine really runs the default model on them with the same greedy tokens as the dense weights alone.
+Exact float32 parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py)
+on CPUs without AVX-512."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import gguf_codes_linear, linear_f32_cpu, small_rows_linear
+from pdserve.kernels.gguf_codes_linear import CodesLinear
+from pdserve.runtime.quantization import quantize_int4, quantize_int8
+
+CPU = torch.device("cpu")
+needs_path = pytest.mark.skipif(not gguf_codes_linear.applies(CPU, torch.float32),
+                                reason="float32 steps run on GGUF codes only on CPUs without AVX-512 where the f32_cpu "
+                                       "kernel builds (this one has AVX-512, or it is switched off)")
+needs_kernel = pytest.mark.skipif(linear_f32_cpu.load_extension() is not None, reason="the f32_cpu kernel cannot build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+def test_few_rows_on_the_codes_the_rest_dense(rows):
+    gen = torch.Generator().manual_seed(rows)
+    qw = quantize_int4(torch.randn(960, 576, generator=gen), 32)   # Q4_1's shape: a scale and a minimum per 32
+    dense = nn.Linear(576, 960, bias=False)
+    dense.weight = nn.Parameter(qw.dequantize(), requires_grad=False)
+    layer = CodesLinear.of(dense)
+    layer.codes = linear_f32_cpu.F32Linear(qw, None, CPU, torch.float32)
+    x = torch.randn(rows, 576, generator=gen)
+    before = CodesLinear.served
+    y, want = layer(x), F.linear(x, dense.weight)
+    assert CodesLinear.served - before == (rows <= 8)
+    assert y.shape == want.shape and y.dtype == torch.float32
+    ref = x.double() @ dense.weight.double().T   # both within float32 summation of the float64 product
+    for out in (y, want):
+        assert float((out.double() - ref).abs().max() / ref.abs().max()) <= 5e-6
+
+
+class _Tiny(nn.Module):
+    """What attach needs of a model: its twins (patched in), args, a tied head, linears and an embedding."""
+
+    def __init__(self, twins):
+        super().__init__()
+        self.args = type("Args", (), {"num_heads": 1, "num_kv_heads": 1})()
+        self.embed_tokens = nn.Embedding(64, 32)
+        self.a, self.b = nn.Linear(32, 48, bias=False), nn.Linear(32, 16, bias=True)
+        self.lm_head, self.head_gemm = None, F.linear
+        self.twins = twins
+
+    def quantized_twins(self, weights):
+        return self.twins
+
+
+@needs_path
+def test_attached_only_to_bit_exact_twins(monkeypatch, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    emb, wa, wb = quantize_int8(torch.randn(64, 32, generator=gen)), *(
+        quantize_int4(torch.randn(n, 32, generator=gen), 32) for n in (48, 16))
+    model = _Tiny({"embed_tokens": emb, "a": wa, "b": wb})
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(emb.dequantize())
+        model.a.weight.copy_(wa.dequantize())
+        model.b.weight.copy_(wb.dequantize())
+        model.b.weight[3, 5] = torch.nextafter(model.b.weight[3, 5], torch.tensor(9.0))   # one ulp off: no twin
+    monkeypatch.setattr(gguf_codes_linear, "_twins",
+                        lambda m, g: {n: q for n, q in m.twins.items() if gguf_codes_linear._exact(m.get_submodule(n), q)})
+    assert gguf_codes_linear.attach(model, tmp_path / "x.gguf", CPU, torch.float32) == 1
+    assert type(model.a) is CodesLinear and type(model.b) is nn.Linear
+    assert isinstance(model.head_gemm, functools.partial)   # the tied head on the embedding's codes
+    h = torch.randn(3, 32)
+    ref = h.double() @ model.embed_tokens.weight.double().T
+    assert float((model.head_gemm(h, model.embed_tokens.weight).double() - ref).abs().max() / ref.abs().max()) <= 5e-6
+    assert gguf_codes_linear.attach(model, None, CPU, torch.float32) == 0   # no GGUF source: dense alone
+    monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", "0")
+    assert not gguf_codes_linear.applies(CPU, torch.float32)
+
+
+@needs_path
+def test_engine_runs_the_default_model_on_its_codes(monkeypatch, tmp_path):
+    """Greedy tokens with the codes on and off; the codes really served the 1-8 sequence steps (linears and the tied
+    LM head); the twins are checked, cached and read back the same."""
+    from pdserve.runtime import LLM, SamplingParams, envs
+
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,"]
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", on)
+        before = CodesLinear.served
+        llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks=32)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            model = llm.engine.model
+            runs[on] = ([o.outputs[0].token_ids for o in outs], CodesLinear.served - before,
+                        type(model.layers[0].self_attn.qkv_proj), model.head_gemm, llm.engine.weight_bytes)
+            if on == "1":
+                gguf = model.gguf_source
+                monkeypatch.setattr(envs, "cache_dir", lambda: tmp_path)
+                made = gguf_codes_linear._twins(model, gguf)
+                assert list(tmp_path.glob("models/*.codes.safetensors"))
+                again = gguf_codes_linear._twins(model, gguf)
+        finally:
+            llm.shutdown()
+    assert runs["0"][1] == 0 and runs["0"][2] is not CodesLinear and runs["0"][3] is small_rows_linear.linear
+    assert runs["1"][1] > 0 and runs["1"][2] is CodesLinear and isinstance(runs["1"][3], functools.partial)
+    assert runs["1"][0] == runs["0"][0]
+    # the reported weight bytes count the codes: ~0.75 bytes a decoder weight (Q4_1 as codes, float32 scale, minimum)
+    # and ~1.1 an embedding weight (Q8_0), next to 4 bytes a weight dense
+    assert 1.15 < runs["1"][4] / runs["0"][4] < 1.40
+    assert len(made) == 121 and set(made) == set(again)   # 30 layers x 4 fused linears + the embedding
+    for name, qw in made.items():
+        other = again[name]
+        assert torch.equal(qw.q, other.q) and torch.equal(qw.scale, other.scale) and qw.fmt == other.fmt
+        assert (qw.zero is None) == (other.zero is None) and (qw.zero is None or torch.equal(qw.zero, other.zero))
