@@ -86,33 +86,33 @@ def test_attached_only_to_bit_exact_twins(monkeypatch, tmp_path):
 def test_engine_runs_the_default_model_on_its_codes(monkeypatch, tmp_path):
     """Greedy tokens with the codes on and off; the codes really served the 1-8 sequence steps (linears and the tied
     LM head); the twins are checked, cached and read back the same."""
-    from pdserve.runtime import LLM, SamplingParams, envs
+    from pdserve.runtime import envs
+    from tests.support.switch_runs import switch_runs
 
-    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,"]
-    runs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", on)
-        before = CodesLinear.served
-        llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks=32)
-        try:
-            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-            model = llm.engine.model
-            runs[on] = ([o.outputs[0].token_ids for o in outs], CodesLinear.served - before,
-                        type(model.layers[0].self_attn.qkv_proj), model.head_gemm, llm.engine.weight_bytes)
-            if on == "1":
-                gguf = model.gguf_source
-                monkeypatch.setattr(envs, "cache_dir", lambda: tmp_path)
-                made = gguf_codes_linear._twins(model, gguf)
+    twins = []
+
+    def probe(llm, served=[CodesLinear.served]):   # calls served since the last probe
+        engine, before = llm.engine, served[0]
+        served[0] = CodesLinear.served
+        if isinstance(engine.model.head_gemm, functools.partial):   # the codes are on: cache them anew, read back
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(envs, "cache_dir", lambda: tmp_path)
+                twins.append(gguf_codes_linear._twins(engine.model, engine.model.gguf_source))
                 assert list(tmp_path.glob("models/*.codes.safetensors"))
-                again = gguf_codes_linear._twins(model, gguf)
-        finally:
-            llm.shutdown()
-    assert runs["0"][1] == 0 and runs["0"][2] is not CodesLinear and runs["0"][3] is small_rows_linear.linear
-    assert runs["1"][1] > 0 and runs["1"][2] is CodesLinear and isinstance(runs["1"][3], functools.partial)
-    assert runs["1"][0] == runs["0"][0]
+                twins.append(gguf_codes_linear._twins(engine.model, engine.model.gguf_source))
+        return (served[0] - before, type(engine.model.layers[0].self_attn.qkv_proj), engine.model.head_gemm,
+                engine.weight_bytes)
+
+    runs = switch_runs(monkeypatch, "PDSERVE_CPU_GGUF_CODES", probe)
+    (off, (off_served, off_type, off_head, off_bytes)), (on, (on_served, on_type, on_head, on_bytes)) = \
+        runs["0"], runs["1"]
+    assert off_served == 0 and off_type is not CodesLinear and off_head is small_rows_linear.linear
+    assert on_served > 0 and on_type is CodesLinear and isinstance(on_head, functools.partial)
+    assert on == off
     # the reported weight bytes count the codes: ~0.75 bytes a decoder weight (Q4_1 as codes, float32 scale, minimum)
     # and ~1.1 an embedding weight (Q8_0), next to 4 bytes a weight dense
-    assert 1.15 < runs["1"][4] / runs["0"][4] < 1.40
+    assert 1.15 < on_bytes / off_bytes < 1.40
+    made, again = twins
     assert len(made) == 121 and set(made) == set(again)   # 30 layers x 4 fused linears + the embedding
     for name, qw in made.items():
         other = again[name]

@@ -57,23 +57,17 @@ def test_swapped_only_where_it_applies_and_without_copies(monkeypatch):
 @pytest.mark.skipif(not applies(CPU, torch.float32), reason="float32 linears take this path only on CPUs without "
                                                            "AVX-512 (this one has it, or it is switched off)")
 def test_engine_runs_it_with_the_same_greedy_tokens(monkeypatch):
-    from pdserve.runtime import LLM, SamplingParams
+    from tests.support.switch_runs import switch_runs
 
-    prompts = ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 5, 8, 13,", "Once upon a time,"]
-    runs = {}
+    def probe(llm, served=[SmallRowsLinear.served]):   # calls served since the last probe
+        model, before = llm.engine.model, served[0]
+        served[0] = SmallRowsLinear.served
+        return served[0] - before, type(model.layers[0].mlp.down_proj), model.head_gemm
+
     monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", "0")   # else its 1-8 row steps run on the GGUF codes (own test)
-    for on in ("0", "1"):
-        monkeypatch.setenv("PDSERVE_CPU_SMALL_ROWS_GEMM", on)
-        before = SmallRowsLinear.served
-        llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks=32)
-        try:
-            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-            model = llm.engine.model
-            runs[on] = ([o.outputs[0].token_ids for o in outs], SmallRowsLinear.served - before,
-                        type(model.layers[0].mlp.down_proj), model.head_gemm)
-        finally:
-            llm.shutdown()
-    assert runs["0"][1] == 0 and runs["0"][2] is nn.Linear and runs["0"][3] is F.linear
-    assert runs["1"][1] > 0 and runs["1"][2] is SmallRowsLinear   # the 4-sequence decode steps ran on it
-    assert runs["1"][3] is small_rows_linear.linear               # and the tied LM head's products
-    assert runs["1"][0] == runs["0"][0]
+    runs = switch_runs(monkeypatch, "PDSERVE_CPU_SMALL_ROWS_GEMM", probe)
+    (off, (off_served, off_type, off_head)), (on, (on_served, on_type, on_head)) = runs["0"], runs["1"]
+    assert off_served == 0 and off_type is nn.Linear and off_head is F.linear
+    assert on_served > 0 and on_type is SmallRowsLinear   # the 4-sequence decode steps ran on it
+    assert on_head is small_rows_linear.linear            # and the tied LM head's products
+    assert on == off
