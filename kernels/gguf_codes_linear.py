@@ -130,28 +130,36 @@ def _twins(model: nn.Module, gguf: Path) -> dict[str, QuantizedWeight]:
     st = gguf.stat()
     path = envs.cache_dir() / "models" / f"{gguf.stem}-{st.st_size:x}-{int(st.st_mtime):x}.codes.safetensors"
     if path.is_file():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            kinds = json.loads(f.metadata()["twins"])
-            return {name: QuantizedWeight(f.get_tensor(f"{name}:q"), f.get_tensor(f"{name}:scale"),
-                                          f.get_tensor(f"{name}:zero") if f"{name}:zero" in f.keys() else None,
-                                          group, bits, fmt) for name, (group, bits, fmt) in kinds.items()}
-    twins = {name: qw for name, qw in
-             model.quantized_twins(iter_gguf_weights(gguf, model.args.num_heads, model.args.num_kv_heads)).items()
-             if _exact(model.get_submodule(name), qw)}
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                kinds = json.loads(f.metadata()["twins"])
+                return {name: QuantizedWeight(f.get_tensor(f"{name}:q"), f.get_tensor(f"{name}:scale"),
+                                              f.get_tensor(f"{name}:zero") if f"{name}:zero" in f.keys() else None,
+                                              group, bits, fmt) for name, (group, bits, fmt) in kinds.items()}
+        except Exception as e:  # noqa: BLE001 - a damaged cache file: read the GGUF file again
+            log.warning("GGUF codes: cannot read %s (%s: %s); reading %s again", path, type(e).__name__, e, gguf)
+    try:
+        found = model.quantized_twins(iter_gguf_weights(gguf, model.args.num_heads, model.args.num_kv_heads))
+    except Exception as e:  # noqa: BLE001 - blocks pdserve cannot keep (K-quants, ...): the dense weights alone
+        log.info("GGUF codes: %s cannot be kept quantized (%s); dense weights alone", gguf, e)
+        found = {}
+    twins = {name: qw for name, qw in found.items() if _exact(model.get_submodule(name), qw)}
     tensors = {f"{name}:{part}": t.contiguous() for name, qw in twins.items()
                for part, t in (("q", qw.q), ("scale", qw.scale), ("zero", qw.zero)) if t is not None}
     kinds = {name: (qw.group_size, qw.bits, qw.fmt) for name, qw in twins.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"twins": json.dumps(kinds)})
-        os.replace(tmp, path)   # atomic: a concurrent start-up reads the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    try:   # kept even when empty, so that a file without twins is not read again at every start-up
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"twins": json.dumps(kinds)})
+            os.replace(tmp, path)   # atomic: a concurrent start-up reads the whole file or none
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:   # a read-only cache dir: the codes still serve this process
+        log.warning("GGUF codes: cannot cache them in %s (%s)", path.parent, e)
     return twins
-
 
 def codes_bytes(model: nn.Module) -> int:
     """Bytes the attached codes take (next to the dense weights)."""

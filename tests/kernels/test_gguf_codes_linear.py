@@ -75,11 +75,41 @@ def test_attached_only_to_bit_exact_twins(monkeypatch, tmp_path):
     assert type(model.a) is CodesLinear and type(model.b) is nn.Linear
     assert isinstance(model.head_gemm, functools.partial)   # the tied head on the embedding's codes
     h = torch.randn(3, 32)
-    ref = h.double() @ model.embed_tokens.weight.double().T
-    assert float((model.head_gemm(h, model.embed_tokens.weight).double() - ref).abs().max() / ref.abs().max()) <= 5e-6
+    weight = model.embed_tokens.weight.detach()
+    ref = h.double() @ weight.double().T
+    assert float((model.head_gemm(h, weight).double() - ref).abs().max() / ref.abs().max()) <= 5e-6
     assert gguf_codes_linear.attach(model, None, CPU, torch.float32) == 0   # no GGUF source: dense alone
     monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", "0")
     assert not gguf_codes_linear.applies(CPU, torch.float32)
+
+
+@needs_path
+def test_a_gguf_it_cannot_keep_or_a_damaged_cache_is_no_failure(monkeypatch, tmp_path):
+    """Blocks pdserve cannot keep (e.g. K-quants): no twins, the dense weights alone, and that answer cached; a damaged
+    cache file: the GGUF file read again."""
+    from pdserve.runtime import envs, gguf_weights
+
+    gen = torch.Generator().manual_seed(1)
+    wa = quantize_int4(torch.randn(48, 32, generator=gen), 32)
+    model = _Tiny({"a": wa})
+    with torch.no_grad():
+        model.a.weight.copy_(wa.dequantize())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(envs, "cache_dir", lambda: tmp_path)
+    reads = []
+
+    def refused(path, heads, kv_heads):
+        reads.append(path)
+        raise gguf_weights.GGUFFormatError("tensor 'blk.0.ffn_down.weight' has GGUF type Q5_K")
+
+    monkeypatch.setattr(gguf_weights, "iter_gguf_weights", refused)
+    assert gguf_codes_linear.attach(model, gguf, CPU, torch.float32) == 0 and type(model.a) is nn.Linear
+    assert gguf_codes_linear.attach(model, gguf, CPU, torch.float32) == 0 and len(reads) == 1   # the answer cached
+    monkeypatch.setattr(gguf_weights, "iter_gguf_weights", lambda path, heads, kv_heads: iter([("a.weight", wa)]))
+    for cached in tmp_path.glob("models/*.codes.safetensors"):
+        cached.write_bytes(b"not a safetensors file")
+    assert gguf_codes_linear.attach(model, gguf, CPU, torch.float32) == 1 and type(model.a) is CodesLinear
 
 
 @needs_path
