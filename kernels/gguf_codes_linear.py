@@ -15,7 +15,7 @@ the same numbers; the products differ from the dense GEMM's by float32 summation
 output), as batched rows already differ from a single row's GEMV. Greedy float32 output keeps transformers' tokens
 (tests/kernels/test_gguf_codes_linear.py and the engine parity tests, which run on it on such CPUs).
 
-Cost: the codes sit next to the dense weights (+19% weight memory for the default model). Only where measured: float32
+Cost: the codes sit next to the dense weights (+21% weight memory for the default model). Only where measured: float32
 on CPUs without AVX-512, with the small-rows linears on (an AVX-512 host runs bf16 by default, with its own kernels).
 ``PDSERVE_CPU_GGUF_CODES=0`` keeps the dense weights alone. ``CodesLinear.served`` counts the calls it served.
 """
@@ -38,8 +38,13 @@ log = logging.getLogger(__name__)
 ROWS = range(1, 9)   # the row counts served on the codes; elsewhere the dense weight
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+def product(codes: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` times the dense ``weight`` (and ``bias``): 1-8 rows on ``codes`` (the same values, bias included), else
+    the small-rows path on ``weight``. A tied LM head's ``head_gemm`` is this with its codes bound."""
+    if small_rows_linear.rows_of(x) in ROWS:
+        CodesLinear.served += 1
+        return codes(x)
+    return small_rows_linear.linear(x, weight, bias)
 
 
 class CodesLinear(SmallRowsLinear):
@@ -49,18 +54,7 @@ class CodesLinear(SmallRowsLinear):
     served = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) in ROWS:
-            CodesLinear.served += 1
-            return self.codes(x)
-        return super().forward(x)
-
-
-def head_gemm(codes: nn.Module, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The tied LM head's product: 1-8 rows on ``codes``, else the small-rows path on the dense ``weight``."""
-    if _rows(hidden) in ROWS:
-        CodesLinear.served += 1
-        return codes(hidden)
-    return small_rows_linear.linear(hidden, weight)
+        return product(self.codes, x, self.weight, self.bias)
 
 
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -89,7 +83,7 @@ def attach(model: nn.Module, gguf: Path | None, device: torch.device, dtype: tor
         if isinstance(module, nn.Embedding):
             if model.lm_head is None:   # tied: the head's product on the embedding's codes
                 model.head_codes = F32Linear(qw, None, device, dtype)
-                model.head_gemm = functools.partial(head_gemm, model.head_codes)
+                model.head_gemm = functools.partial(product, model.head_codes)
             continue
         new = CodesLinear.of(module)
         new.codes = F32Linear(qw, module.bias, device, dtype)
@@ -126,9 +120,9 @@ def _twins(model: nn.Module, gguf: Path) -> dict[str, QuantizedWeight]:
 
     from pdserve.runtime import envs
     from pdserve.runtime.gguf_weights import iter_gguf_weights
+    from pdserve.runtime.model_loader import gguf_cache_key
 
-    st = gguf.stat()
-    path = envs.cache_dir() / "models" / f"{gguf.stem}-{st.st_size:x}-{int(st.st_mtime):x}.codes.safetensors"
+    path = envs.cache_dir() / "models" / f"{gguf_cache_key(gguf)}.codes.safetensors"
     if path.is_file():
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -48,9 +48,14 @@ class SmallRowsLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of ``x`` as a linear sees them (all but its last dim flattened)."""
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``(W X^T)^T`` when ``x`` has a number of rows in :data:`ROWS`."""
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    rows = rows_of(x)
     if rows not in ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1

@@ -66,9 +66,14 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        st = path.stat()
-        return _convert_gguf_cached(path.resolve(), f"{path.stem}-{st.st_size:x}-{int(st.st_mtime):x}")
+        return _convert_gguf_cached(path.resolve(), gguf_cache_key(path))
     return _download_from_hub(model, revision)
+
+
+def gguf_cache_key(path: Path) -> str:
+    """A cache name for what is derived from the GGUF file ``path``: its stem, size and mtime (a new file, a new name)."""
+    st = path.stat()
+    return f"{path.stem}-{st.st_size:x}-{int(st.st_mtime):x}"
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device,

@@ -205,6 +205,20 @@ _FUSED = {
 }
 
 _NUM_SHARDS = {ours: sum(1 for o, _ in _FUSED.values() if o == ours) for ours, _ in _FUSED.values()}
+
+
+def _fused(name: str) -> tuple[str, int] | None:
+    """Our fused parameter and shard index for a parameter of an HF linear we fuse ("layers.0.self_attn.k_proj.weight"
+    -> ("layers.0.self_attn.qkv_proj.weight", 1)), else None."""
+    for hf_part, (ours, idx) in _FUSED.items():
+        if f".{hf_part}." in f".{name}":
+            return name.replace(hf_part, ours), idx
+    return None
+
+
+def _complete(name: str, parts: dict) -> bool:
+    """Whether ``parts`` holds every shard of the fused parameter ``name`` ("layers.0.mlp.gate_up_proj.weight")."""
+    return len(parts) == _NUM_SHARDS[name.rpartition(".")[0].split(".", 2)[-1]]
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # quantized at load
 
 
@@ -282,17 +296,14 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if not isinstance(value, QuantizedWeight) or not name.endswith(".weight"):
                 continue
-            name = name.removesuffix(".weight")
-            for hf_part, (ours, idx) in _FUSED.items():
-                if f".{hf_part}" in f".{name}" and name.endswith(hf_part):
-                    shards.setdefault(name.replace(hf_part, ours), {})[idx] = value
-                    break
+            if (fused := _fused(name)) is not None:
+                shards.setdefault(fused[0], {})[fused[1]] = value
             else:
-                found[name] = value
+                found[name.removesuffix(".weight")] = value
         for name, parts in shards.items():
-            if len(parts) == _NUM_SHARDS[name.split(".", 2)[-1]]:
+            if _complete(name, parts):
                 try:
-                    found[name] = QuantizedWeight.cat([parts[i] for i in sorted(parts)])
+                    found[name.removesuffix(".weight")] = QuantizedWeight.cat([parts[i] for i in sorted(parts)])
                 except ValueError:
                     pass   # shards quantized differently: no twin
         return found
@@ -302,17 +313,13 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / tied to the embedding
-            for hf_part, (ours, idx) in _FUSED.items():
-                if f".{hf_part}." in f".{name}":
-                    name = name.replace(hf_part, ours)
-                    shards.setdefault(name, {})[idx] = tensor
-                    break
+            if (fused := _fused(name)) is not None:
+                shards.setdefault(fused[0], {})[fused[1]] = tensor
             else:
                 self._assign(params, name, tensor, device, dtype)
                 loaded.add(name)
         for name, parts in shards.items():
-            # "layers.{i}.mlp.gate_up_proj.weight" -> "mlp.gate_up_proj"
-            if len(parts) != _NUM_SHARDS[name.rpartition(".")[0].split(".", 2)[-1]]:
+            if not _complete(name, parts):
                 continue  # incomplete: reported as missing below
             ordered = [parts[i] for i in sorted(parts)]
             if all(isinstance(p, QuantizedWeight) for p in ordered):
