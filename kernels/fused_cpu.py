@@ -8,8 +8,9 @@ every intermediate the eager bf16 code rounds to bf16 is rounded here at the sam
 bf16 engine keeps the numerics it had (tests/kernels/test_fused_cpu.py compares both on the same inputs). SiLU uses
 its own vectorized exp (~2e-7 relative), where torch uses Sleef's.
 
-Only for bf16 tensors on a CPU with AVX512-BF16 (the same build as kernels/paged_prefill_cpu.py's gate); float32
-keeps the eager chain, whose numerics are transformers'. ``PDSERVE_CPU_FUSED_ELEMENTWISE=0`` turns them off.
+Only for bf16 tensors on a CPU with AVX512-BF16 (the same build as kernels/paged_prefill_cpu.py's gate); float32 has
+its own ops, bit for bit the eager chain (kernels/fused_f32_cpu.py; :func:`ops_for` picks).
+``PDSERVE_CPU_FUSED_ELEMENTWISE=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 
 import torch
 
-from pdserve.kernels import cpp_build
+from pdserve.kernels import cpp_build, fused_f32_cpu
 from pdserve.kernels.cpu_simd import AVX512_HELPERS
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,14 @@ def enabled(x: torch.Tensor, multiple: int = 16) -> bool:
 
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % multiple == 0
             and envs.cpu_fused_elementwise() and load_extension() is None)
+
+
+def ops_for(x: torch.Tensor, multiple: int = 16):
+    """The namespace of fused ops serving ``x`` (``rms_norm``, ``rope``, ``silu_mul``): these for bf16 (see
+    :func:`enabled`), kernels/fused_f32_cpu.py's for float32; None: the eager chains run."""
+    if enabled(x, multiple):
+        return torch.ops.pdserve_fused_cpu
+    return torch.ops.pdserve_fused_f32_cpu if fused_f32_cpu.enabled(x) else None
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -120,8 +120,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and self.weight.dtype == x.dtype and fused_cpu.enabled(x):
-            return torch.ops.pdserve_fused_cpu.rms_norm(x, None, self.weight, self.eps)[0]
+        if x.dim() == 2 and self.weight.dtype == x.dtype and (ops := fused_cpu.ops_for(x)):
+            return ops.rms_norm(x, None, self.weight, self.eps)[0]
         h = x.float()
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = h * r if h is x else h.mul_(r)   # a low-precision input's float copy is ours to scale in place
@@ -130,8 +130,8 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``: one pass with the fused CPU op."""
-        if x.dim() == 2 and self.weight.dtype == x.dtype == residual.dtype and fused_cpu.enabled(x):
-            return torch.ops.pdserve_fused_cpu.rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2 and self.weight.dtype == x.dtype == residual.dtype and (ops := fused_cpu.ops_for(x)):
+            return ops.rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self.forward(h), h
 
@@ -154,8 +154,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
         if self.q_norm is None:   # RoPE on q and k as one (T, H + Hkv, D) view: half the eager elementwise ops
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-            if fused_cpu.enabled(qk, 32) and cos.dtype == qk.dtype:
-                qk = torch.ops.pdserve_fused_cpu.rope(qk, cos, sin)
+            if cos.dtype == qk.dtype and (ops := fused_cpu.ops_for(qk, 32)):
+                qk = ops.rope(qk, cos, sin)
             else:
                 qk = qk * cos + rotate_half(qk) * sin      # cos/sin: (T, 1, D)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]   # (T, H, D), (T, Hkv, D)
@@ -177,8 +177,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                     # (T, 2 * intermediate)
-        if fused_cpu.enabled(gate_up, 32):
-            return self.down_proj(torch.ops.pdserve_fused_cpu.silu_mul(gate_up))
+        if ops := fused_cpu.ops_for(gate_up, 32):
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)                # 2 x (T, intermediate)
         return self.down_proj(F.silu(gate).mul_(up))   # in place: one (T, intermediate) buffer less
 

@@ -1,0 +1,242 @@
+"""Fused float32 elementwise ops on CPU, bit for bit the eager chains they replace: RMSNorm (optionally after the
+residual add), RoPE on q and k, SiLU(gate) * up.
+
+Why: on CPUs without AVX-512 ``--dtype auto`` is float32, and a decode step's norms, RoPE and SwiGLU ran as ~16 eager
+torch calls a layer, each a Python call, a dispatch and an allocation for a few hundred floats: ~16 of a one-sequence
+step's ~41 ms, ~26 of 166 at 32 sequences (benchmarks/profile_step.py on a 2-core AMD EPYC, Zen 3). One op a part
+does the same arithmetic in one pass.
+
+Numerics: the same as the eager float32 chain (runtime/models/llama.py), bit for bit, not merely close: every sum is
+added in the order torch's own CPU kernels add it, so the greedy engine keeps transformers' tokens exactly as before.
+- RMSNorm: ``(s * r) * w`` with ``r = 1 / sqrt(sum(s * s) / N + eps)`` and ``s = res + x`` (or ``x``). The sum of
+  squares follows torch's vectorized inner sum (aten/src/ATen/native/cpu/SumKernel.cpp): ``L``-lane vector partial
+  sums over four interleaved accumulators, cascaded in levels of 16 vectors, then the tail and the lanes added in
+  order; ``L`` is the lane count of the kernels torch picked for this CPU (8 for AVX2, 16 for AVX-512).
+- RoPE: ``x * cos + rotate_half(x) * sin``, each product and the sum rounded as the three eager ops round them (built
+  with ``-ffp-contract=off``: no fused multiply-add).
+- SiLU: ``g / (1 + e^-g)`` with SLEEF's ``expf`` (1-ulp), the function torch's vectorized SiLU calls, linked from
+  torch's own library; then ``* up``.
+tests/kernels/test_fused_f32_cpu.py compares each op with the eager chain with ``torch.equal``.
+
+Served for float32 tensors on CPU where torch runs its AVX2 or AVX-512 kernels (``torch.backends.cpu
+.get_cpu_capability()``) and this builds; elsewhere, on a build failure or with ``PDSERVE_CPU_FUSED_ELEMENTWISE=0``,
+the eager chains run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pdserve.kernels import cpp_build
+
+log = logging.getLogger(__name__)
+LANES = {"AVX2": 8, "AVX512": 16}   # torch's CPU capability -> its Vectorized<float> lanes
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sleef.h>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+#if PD_LANES == 16
+using V = __m512;
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline V vset(float x) { return _mm512_set1_ps(x); }
+inline V vneg(V a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+inline V vexp(V a) { return Sleef_expf16_u10(a); }
+#else
+using V = __m256;
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline V vset(float x) { return _mm256_set1_ps(x); }
+inline V vneg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+inline V vexp(V a) { return Sleef_expf8_u10(a); }
+#endif
+constexpr int64_t L = PD_LANES;
+
+// sum(s[i] * s[i]) over n floats, added in torch's order for a contiguous inner reduction: vector i of the row goes
+// to accumulator i % 4; runs of 16 such quads cascade into up to 4 levels; then leftovers, levels, accumulators;
+// then the scalar tail and the lanes one by one.
+float sum_squares(const float* s, int64_t n) {
+  const int64_t nv = n / L, rows = nv / 4;
+  int64_t power = 0;
+  while ((int64_t(1) << power) < rows) power++;   // ceil(log2(rows))
+  power = std::max<int64_t>(4, power / 4);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  V acc[4][4];
+  for (auto& lv : acc) for (auto& a : lv) a = vset(0.f);
+  auto sq = [&](int64_t v) { const V x = vload(s + v * L); return vmul(x, x); };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; j++, i++)
+      for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], sq(4 * i + k));
+    for (int j = 1; j < 4; j++) {
+      for (int k = 0; k < 4; k++) { acc[j][k] = vadd(acc[j][k], acc[j - 1][k]); acc[j - 1][k] = vset(0.f); }
+      if (i & (mask << (j * power))) break;
+    }
+  }
+  for (; i < rows; i++)
+    for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], sq(4 * i + k));
+  for (int j = 1; j < 4; j++)
+    for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * 4; v < nv; v++) acc[0][0] = vadd(acc[0][0], sq(v));
+  for (int k = 1; k < 4; k++) acc[0][0] = vadd(acc[0][0], acc[0][k]);
+  alignas(64) float lanes[L];
+  vstore(lanes, acc[0][0]);
+  float total = 0.f;
+  for (int64_t t = nv * L; t < n; t++) total += s[t] * s[t];
+  for (int64_t k = 0; k < L; k++) total += lanes[k];
+  return total;
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, what, ": float32 (T, N) with unit stride");
+}
+
+// -> (out, sum): out = (s * r) * w, r = 1 / sqrt(sum(s^2) / N + eps) over each row of s, where s = x, or with res,
+// s = res + x (the new residual stream, returned as sum; x itself without res).
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& res,
+                                            const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == N && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "weight: contiguous float32 (N,)");
+  at::Tensor sum = x;
+  if (res) {
+    check_rows(*res, "residual");
+    TORCH_CHECK(res->sizes() == x.sizes(), "residual: x's shape");
+    sum = at::empty({T, N}, x.options());
+  }
+  at::Tensor out = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = res ? res->data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = res ? res->stride(0) : 0;
+  const float feps = float(eps);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* s = xp + t * xs;
+      if (rp) {
+        float* sr = sp + t * N;
+        for (int64_t i = 0; i < N; i++) sr[i] = rp[t * rs + i] + s[i];
+        s = sr;
+      }
+      const float r = 1.f / std::sqrt(sum_squares(s, N) / float(N) + feps);
+      float* o = op + t * N;
+      for (int64_t i = 0; i < N; i++) o[i] = (s[i] * r) * wp[i];
+    }
+  });
+  return {out, sum};
+}
+
+// qk (T, Hq, D) rows of stride s0 (a view into the fused qkv output), cos/sin (T, 1, D) float32 -> (T, Hq, D):
+// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2])
+at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kFloat && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk: float32 (T, H, D), heads contiguous");
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), h = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_dim: even");
+  for (const at::Tensor* c : {&cos, &sin})
+    TORCH_CHECK(c->dim() == 3 && c->size(0) == T && c->size(1) == 1 && c->size(2) == D &&
+                c->scalar_type() == at::kFloat && c->stride(2) == 1, "cos/sin: float32 (T, 1, D)");
+  at::Tensor out = at::empty({T, H, D}, qk.options());
+  const float* xp = qk.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = qk.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* c = cp + t * cs;
+      const float* s = sp + t * ss;
+      for (int64_t hd = 0; hd < H; hd++) {
+        const float* x = xp + t * xs + hd * D;
+        float* o = op + (t * H + hd) * D;
+        for (int64_t i = 0; i < h; i++) {
+          o[i] = x[i] * c[i] + (-x[h + i]) * s[i];
+          o[h + i] = x[h + i] * c[h + i] + x[i] * s[h + i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// gate_up (T, 2I) -> (T, I): silu(gate) * up, silu(g) = g / (1 + e^-g): SLEEF's expf on the pairs of whole vectors
+// torch's vector loop takes, the C library's expf on the rest of a row (its scalar tail)
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, vec_end = I / (2 * L) * (2 * L);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up: an even width");
+  at::Tensor out = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = gu.stride(0);
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* g = gp + t * gs;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < vec_end; i += L) {
+        const V x = vload(g + i);
+        vstore(o + i, vmul(vdiv(x, vadd(vset(1.f), vexp(vneg(x)))), vload(g + I + i)));
+      }
+      for (int64_t i = vec_end; i < I; i++) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
+  });
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor? res, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope(Tensor qk, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+}
+"""
+
+
+def lanes() -> int | None:
+    """The float lanes of the vector kernels torch runs on this CPU (8 AVX2, 16 AVX-512), or None (others)."""
+    return LANES.get(torch.backends.cpu.get_cpu_capability())
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the ops; None when they work here, else why they cannot be used."""
+    n = lanes()
+    if n is None:
+        return f"the fused float32 ops follow torch's AVX2 / AVX-512 kernels; torch runs {torch.backends.cpu.get_cpu_capability()}"
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx512f", "-mavx512dq"] if n == 16 else ["-mavx2"])]
+    reason = cpp_build.build("pdserve_fused_f32_cpu", f"#define PD_LANES {n}\n" + SOURCE, flags,
+                             "the fused float32 CPU elementwise ops")
+    if reason:
+        log.warning("%s; float32 RMSNorm, RoPE and SiLU run eager torch ops", reason)
+    return reason
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the ops serve ``x``: float32 on CPU, built here, not switched off (``PDSERVE_CPU_FUSED_ELEMENTWISE``)."""
+    from pdserve.runtime import envs
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and envs.cpu_fused_elementwise()
+            and load_extension() is None)
