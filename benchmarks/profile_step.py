@@ -4,9 +4,9 @@ sequences, or (``--cached-prefix N``) the one step of a request whose first N to
 The engine is the one `pdserve serve` runs (defaults, `--dtype auto`); the script wraps its parts in
 ``record_function`` ranges (scheduling, metadata, GEMMs, attention, norms, LM head, sampling, scheduler update,
 postprocessing + detokenization) and prints each part's mean ms per step and share of the step. A bf16 CPU step of up
-to 32 tokens runs its decoder layers in one C++ call (kernels/layer_stack_cpu.py); the ops that call makes are split
-into the same parts by name (the AMX linears, the paged attention kernels, RMSNorm; the rest of the call: RoPE,
-SiLU * up, the KV write). "rope/elementwise" is the forward minus its GEMMs, attention and norms: RoPE, residual adds,
+to 32 tokens, and a float32 decode step, runs its decoder layers in one C++ call (kernels/layer_stack_cpu.py,
+kernels/layer_stack_f32_cpu.py); the ops that call makes are split into the same parts by name (the linears, the
+paged attention kernels, RMSNorm; the rest of the call: RoPE, SiLU * up, the KV write). "rope/elementwise" is the forward minus its GEMMs, attention and norms: RoPE, residual adds,
 SwiGLU, the KV write, the embedding and dispatch. The LM head is the greedy head's screen (kernels/greedy_head_cpu.py)
 on steps it serves. ``--modules`` switches the stack off. The profiler adds a few microseconds to every op it records,
 so the shares of the many small ops (norms, elementwise, views) read high next to an unprofiled step.
@@ -29,7 +29,9 @@ RANGES = ["intake", "step", "schedule", "metadata", "forward", "layer stack", "g
           "sampling", "update", "postprocess"]
 STACK_OPS = {   # the ops the layer stack calls, by the part they belong to (anything else it does: rope/elementwise)
     "pdserve_amx_linear::linear": "gemm", "pdserve_paged_cpu::decode": "attention",
-    "pdserve_prefill_cpu::prefill": "attention", "pdserve_fused_cpu::rms_norm": "norm"}
+    "pdserve_prefill_cpu::prefill": "attention", "pdserve_fused_cpu::rms_norm": "norm",
+    "pdserve_qf32::mm": "gemm", "aten::mm": "gemm", "aten::linear": "gemm", "pdserve_fused_f32_cpu::rms_norm": "norm"}
+STACKS = ("pdserve_layer_stack_cpu::forward", "pdserve_layer_stack_f32_cpu::forward")   # the bf16 and float32 ops
 
 
 def wrap(obj, attr: str, name: str) -> None:
@@ -88,7 +90,7 @@ def stack_parts(prof) -> dict[str, float]:
     parts = dict.fromkeys(("gemm", "attention", "norm"), 0.0)
     for e in prof.events():
         parent = e.cpu_parent
-        if parent is not None and parent.name == "pdserve_layer_stack_cpu::forward" and e.name in STACK_OPS:
+        if parent is not None and parent.name in STACKS and e.name in STACK_OPS:
             parts[STACK_OPS[e.name]] += e.cpu_time_total / 1000
     return parts
 

@@ -14,7 +14,8 @@ the modules, 12.1 ms in one call: benchmarks/layer_stack.py). CUDA graphs remove
 It serves a step when every layer is the plain bf16 path: AMX linears without bias or LoRA, no q/k norm, the fused ops
 and both paged attention kernels on, the KV rows view of the cache, at most ``amx_linear.MAX_ROWS`` tokens (above, the
 linears switch to oneDNN and the dispatch cost is small next to the work). Otherwise, or with
-``PDSERVE_CPU_LAYER_STACK=0``, the modules run as before. ``steps`` counts the steps it served.
+``PDSERVE_CPU_LAYER_STACK=0``, the modules run as before. A float32 step goes to kernels/layer_stack_f32_cpu.py
+instead (decode steps). ``steps`` counts the steps either served.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels import amx_linear, cpp_build, fused_cpu, paged_decode_cpu, paged_prefill_cpu
+from pdserve.kernels import amx_linear, cpp_build, fused_cpu, layer_stack_f32_cpu, paged_decode_cpu, paged_prefill_cpu
 from pdserve.kernels.base import AttentionMetadata, kv_token_rows
 
 SOURCE = r"""
@@ -160,6 +161,7 @@ class LayerStack:
         self.model = model
         self.steps = 0
         self._plain: tuple[Any, Plain | None] | None = None   # (first qkv, _scan())
+        self._plain_f32: tuple[Any, Any] | None = None   # (first qkv, layer_stack_f32_cpu.scan())
 
     def _plain_layers(self) -> Plain | None:
         """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, their linears' coded-weight metas or [], the
@@ -197,6 +199,8 @@ class LayerStack:
         """The residual stream after the last layer (before the final norm), or None: the modules run this step."""
         from pdserve.runtime import envs
 
+        if h.dtype == torch.float32 and h.device.type == "cpu" and envs.cpu_layer_stack():
+            return self._float32(h, cos, sin, kv_cache, meta)
         if (h.shape[0] > amx_linear.MAX_ROWS or h.dtype != torch.bfloat16 or h.device.type != "cpu"
                 or kv_cache.dtype != torch.bfloat16
                 or not envs.cpu_layer_stack() or not fused_cpu.enabled(h) or load_extension() is not None):
@@ -213,4 +217,18 @@ class LayerStack:
                                                         attn0.scale, plan.kv_rows, *(plan.paged or (None,) * 3),
                                                         *(plan.paged_prefill or (None,) * 2))
         self.steps += 1
+        return out
+
+    def _float32(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """A float32 decode step in one call (kernels/layer_stack_f32_cpu.py), or None."""
+        first = self.model.layers[0].self_attn.qkv_proj
+        if self._plain_f32 is None or self._plain_f32[0] is not first:
+            self._plain_f32 = (first, layer_stack_f32_cpu.scan(self.model))
+        attn0, kv0 = self.model.layers[0].self_attn, kv_cache[:, 0]
+        if self._plain_f32[1] is None or not hasattr(attn0.backend, "step_plan") or kv_token_rows(kv0) is None:
+            return None
+        out = layer_stack_f32_cpu.forward(self.model, self._plain_f32[1], h, cos, sin, kv_cache,
+                                          attn0.backend.step_plan(meta, kv0, h.dtype))
+        self.steps += out is not None
         return out

@@ -113,8 +113,8 @@ def cpu_prefill_attention() -> str:
 
 
 def cpu_fused_elementwise() -> bool:
-    """Whether bf16 RMSNorm, RoPE and SiLU * up on CPU run the fused C++ ops (PDSERVE_CPU_FUSED_ELEMENTWISE, default on;
-    ``0`` runs the eager torch ops: kernels/fused_cpu.py)."""
+    """Whether RMSNorm, RoPE and SiLU * up on CPU run the fused C++ ops (PDSERVE_CPU_FUSED_ELEMENTWISE, default on;
+    ``0`` runs the eager torch ops: kernels/fused_cpu.py for bf16, kernels/fused_f32_cpu.py for float32)."""
     return _switched_on("PDSERVE_CPU_FUSED_ELEMENTWISE")
 
 
@@ -125,8 +125,9 @@ def cpu_greedy_head() -> bool:
 
 
 def cpu_layer_stack() -> bool:
-    """Whether a bf16 CPU step of at most 32 tokens runs its decoder layers as one C++ call (PDSERVE_CPU_LAYER_STACK,
-    default on; ``0`` calls the modules: kernels/layer_stack_cpu.py)."""
+    """Whether a bf16 CPU step of at most 32 tokens, or a float32 CPU decode step, runs its decoder layers as one C++
+    call (PDSERVE_CPU_LAYER_STACK, default on; ``0`` calls the modules: kernels/layer_stack_cpu.py,
+    kernels/layer_stack_f32_cpu.py)."""
     return _switched_on("PDSERVE_CPU_LAYER_STACK")
 
 
