@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from pdserve.kernels import cpp_build
+from pdserve.kernels import cpp_build, paged_prefill_f32_cpu
 from pdserve.kernels.cpu_simd import AMX_HELPERS, AVX512_HELPERS, TRANSPOSE16
 
 log = logging.getLogger(__name__)
@@ -352,21 +352,27 @@ def load_extension() -> str | None:
 
 
 def enabled(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether prefill attention on ``device`` over a ``dtype`` cache runs this kernel (bf16, head_dim 64, built, not
-    switched off)."""
+    """Whether prefill attention on ``device`` over a ``dtype`` cache runs this kernel (bf16, head_dim 64, built) or
+    its float32 twin (kernels/paged_prefill_f32_cpu.py), not switched off."""
     from pdserve.runtime import envs
 
-    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim == 64 and envs.cpu_prefill_attention() == "paged"
-            and load_extension() is None)
+    if device.type != "cpu" or envs.cpu_prefill_attention() != "paged":
+        return False
+    if dtype == torch.float32:
+        return paged_prefill_f32_cpu.enabled(head_dim)
+    return dtype == torch.bfloat16 and head_dim == 64 and load_extension() is None
 
 
 def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
                   info: torch.Tensor, scale: float) -> None:
-    """Writes the causal attention of each sequence's new queries into its rows of ``out``: q, out (T, H, D) bf16, out
-    contiguous, q read in place where each row's H * D is (the RoPE output's q view), else copied; ``info`` (S, 3)
-    int64 rows (first row, q_len, seq_len); ``tables`` (S, nb) int64 block ids."""
-    if reason := load_extension():
+    """Writes the causal attention of each sequence's new queries into its rows of ``out``: q, out (T, H, D) bf16 (or
+    float32: kernels/paged_prefill_f32_cpu.py), out contiguous, q read in place where each row's H * D is (the RoPE
+    output's q view), else copied; ``info`` (S, 3) int64 rows (first row, q_len, seq_len); ``tables`` (S, nb) int64
+    block ids."""
+    f32 = q.dtype == torch.float32
+    if reason := (paged_prefill_f32_cpu.load_extension() if f32 else load_extension()):
         raise RuntimeError(reason)
     if q.dim() == 3 and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
         q = q.contiguous()
-    torch.ops.pdserve_prefill_cpu.prefill(q, out, kv_layer, tables, info, scale)
+    op = torch.ops.pdserve_prefill_f32_cpu.prefill if f32 else torch.ops.pdserve_prefill_cpu.prefill
+    op(q, out, kv_layer, tables, info, scale)

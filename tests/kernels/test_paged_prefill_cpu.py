@@ -10,47 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import paged_prefill_cpu
+from pdserve.kernels import paged_prefill_cpu, paged_prefill_f32_cpu
 from tests.support.forced_sampler import MODULES, agreement, drain, forced_greedy_runs
+from tests.support.prefill_cases import BS
+from tests.support.prefill_cases import case as _case
+from tests.support.prefill_cases import reference as _reference
 
 CPU = torch.device("cpu")
 BUILD = paged_prefill_cpu.load_extension()
 needs_kernel = pytest.mark.skipif(BUILD is not None, reason=f"kernel not built here: {BUILD}")
-BS = 16
-
-
-def _case(heads, kv_heads, chunks, seed=0, head_dim=64):
-    """A bf16 block-major cache layer with NaN in every slot no sequence uses, and for each (q_len, seq_len) chunk its
-    block table, its query rows (one unused row between sequences) and an ``info`` row (first row, q_len, seq_len)."""
-    gen = torch.Generator().manual_seed(seed)
-    nb = max(-(-n // BS) for _, n in chunks) + 1
-    num_blocks = len(chunks) * nb + 8
-    cache = torch.full((num_blocks, 3, 2, BS, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[:len(chunks) * nb].view(len(chunks), nb).contiguous()
-    info, row = [], 0
-    for s, (q_len, n) in enumerate(chunks):
-        for i in range(-(-n // BS)):
-            used = min(BS, n - i * BS)
-            cache[tables[s, i], 1, :, :used] = torch.randn(2, used, kv_heads, head_dim, generator=gen).bfloat16()
-        info.append([row, q_len, n])
-        row += q_len + 1
-    q = torch.randn(row, heads, head_dim, generator=gen).bfloat16()
-    return q, cache[:, 1], tables, torch.tensor(info)
-
-
-def _reference(q, kv, tables, info, scale):
-    """float64 causal attention of each chunk's rows -> {first row: (q_len, H, D)}."""
-    group = q.shape[1] // kv.shape[3]
-    out = {}
-    for s, (r0, q_len, n) in enumerate(info.tolist()):
-        blocks = tables[s, :-(-n // BS)]
-        k = kv[blocks, 0].flatten(0, 1)[:n].double().repeat_interleave(group, 1)   # (n, H, D)
-        v = kv[blocks, 1].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,lhd->hql", q[r0:r0 + q_len].double(), k) * scale
-        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
-        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[r0] = torch.einsum("hql,lhd->qhd", p, v)
-    return out
 
 
 def _run(q, kv, tables, info, scale=0.125):
@@ -207,7 +175,9 @@ def test_switch_dtype_and_head_dim(monkeypatch):
         paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64)
     monkeypatch.delenv("PDSERVE_CPU_PREFILL_ATTENTION")
     assert paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64) is (BUILD is None)
-    assert not paged_prefill_cpu.enabled(CPU, torch.float32, 64)     # float32 keeps SDPA (transformers parity)
+    # float32: its own kernel (kernels/paged_prefill_f32_cpu.py, tests/kernels/test_paged_prefill_f32_cpu.py)
+    assert paged_prefill_cpu.enabled(CPU, torch.float32, 64) is (paged_prefill_f32_cpu.load_extension() is None)
+    assert not paged_prefill_cpu.enabled(CPU, torch.float32, 48)
     assert not paged_prefill_cpu.enabled(CPU, torch.bfloat16, 128)
     monkeypatch.setattr(paged_prefill_cpu, "load_extension", lambda: "no compiler")
     assert not paged_prefill_cpu.enabled(CPU, torch.bfloat16, 64)
