@@ -160,7 +160,7 @@ Plain = tuple[list[torch.Tensor], list[int], list[torch.Tensor], int]   # weight
 
 def _form(m: nn.Module) -> tuple[list[int], list[torch.Tensor]] | None:
     """A linear's [kind, bits, group_size, is_signed] and codes tensors (see the C++ ``linear``), or None: not plain."""
-    if m.bias is not None or m.weight.dtype != torch.float32:
+    if type(m) not in (nn.Linear, SmallRowsLinear, CodesLinear) or m.bias is not None or m.weight.dtype != torch.float32:
         return None
     if type(m) is nn.Linear:
         return [0, 0, 0, 0], []

@@ -81,6 +81,8 @@ def test_switch_and_dtype(monkeypatch):
 
 
 def test_float32_engine_runs_them_and_keeps_its_tokens(monkeypatch):
+    """The modules' path (the float32 layer stack, which calls the same ops, has its own test)."""
+    monkeypatch.setenv("PDSERVE_CPU_LAYER_STACK", "0")
     calls = []
     real = fused_f32_cpu.enabled
     monkeypatch.setattr(fused_f32_cpu, "enabled", lambda x: (real(x) and calls.append(1)) or real(x))
