@@ -34,7 +34,8 @@ def start_once(env: dict[str, str], timeout: float) -> float:
         return time.perf_counter() - t0
 
 
-KERNELS = ("amx_linear", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "layer_stack_cpu", "greedy_head_cpu")
+KERNELS = ("amx_linear", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "layer_stack_cpu", "greedy_head_cpu",
+           "linear_f32_cpu", "fused_f32_cpu", "paged_prefill_f32_cpu", "layer_stack_f32_cpu")
 BUILD = """
 import importlib, sys, time
 for name in sys.argv[1:]:
@@ -45,8 +46,8 @@ for name in sys.argv[1:]:
 
 
 def cold_builds() -> None:
-    """Builds every CPU kernel a bf16 server loads into an empty cache dir, one process, and prints each one's time (a
-    kernel that another needs is built by the first that asks)."""
+    """Builds every CPU kernel a bf16 or float32 server loads into an empty cache dir, one process, and prints each
+    one's time (a kernel that another needs is built by the first that asks; one this CPU cannot run says why)."""
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", BUILD, *KERNELS], env={**os.environ, "PDSERVE_CACHE_DIR": cache},
