@@ -8,6 +8,9 @@ kernels/amx_linear.py).
 ``TRANSPOSE16`` (after ``<immintrin.h>``, AVX-512 F): ``transpose16``, a 16 x 16 transpose of 32-bit words in registers.
 ``AMX_HELPERS`` (after ``<sys/syscall.h>`` and ``<unistd.h>``, compiled with ``-mamx-tile -mamx-bf16``): ``Tiles``
 (a thread's AMX tile configuration for a scope, every tile 16 x 64 bytes) and ``amx_permitted`` (asks Linux for AMX).
+``STACK_PREAMBLE`` (a source's start, kernels/layer_stack_cpu.py and kernels/layer_stack_f32_cpu.py): the headers,
+``OptT``, ``op<Sig>(name)`` (an op's typed dispatcher handle) and the signatures of the RMSNorm, RoPE, SiLU * up and
+paged decode ops the layer stacks call.
 """
 
 FLUSH_DENORMALS = r"""
@@ -144,4 +147,28 @@ inline void transpose16(__m512i r[16]) {
   }
   for (int i = 0; i < 16; i++) r[i] = t[i];
 }
+"""
+
+STACK_PREAMBLE = r"""
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+using OptT = c10::optional<at::Tensor>;
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double);
+using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using SiluMul = at::Tensor(const at::Tensor&);
+using Decode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+}  // namespace
 """

@@ -27,29 +27,11 @@ import torch
 
 from pdserve.kernels import amx_linear, cpp_build, fused_cpu, layer_stack_f32_cpu, paged_decode_cpu, paged_prefill_cpu
 from pdserve.kernels.base import AttentionMetadata, kv_token_rows
+from pdserve.kernels.cpu_simd import STACK_PREAMBLE
 
-SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
-#include <cstring>
-#include <optional>
-#include <tuple>
-#include <vector>
-
+SOURCE = STACK_PREAMBLE + r"""
 namespace {
-using OptT = c10::optional<at::Tensor>;
-
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, int64_t, const OptT&);
-using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double);
-using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using SiluMul = at::Tensor(const at::Tensor&);
-using Decode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using Prefill = void(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 
 struct Ops {  // the kernels' own ops, resolved once (their libraries are loaded before the first call)

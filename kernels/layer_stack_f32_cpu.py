@@ -24,31 +24,14 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpp_build, fused_f32_cpu, gguf_codes_linear, linear_f32_cpu, paged_decode_cpu
+from pdserve.kernels.cpu_simd import STACK_PREAMBLE
 from pdserve.kernels.gguf_codes_linear import CodesLinear
 from pdserve.kernels.small_rows_linear import ROWS as SMALL_ROWS
 from pdserve.kernels.small_rows_linear import SmallRowsLinear
 
-SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
-#include <cstring>
-#include <optional>
-#include <tuple>
-
+SOURCE = STACK_PREAMBLE + r"""
 namespace {
-using OptT = c10::optional<at::Tensor>;
-
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
 using Codes = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, int64_t, bool);
-using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptT&, const at::Tensor&, double);
-using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using SiluMul = at::Tensor(const at::Tensor&);
-using Decode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 
 struct Ops {  // resolved once (their libraries are loaded before the first call)
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("pdserve_fused_f32_cpu::rms_norm");

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from pdserve.kernels import paged_prefill_cpu, paged_prefill_f32_cpu
 from tests.support.forced_sampler import MODULES, agreement, drain, forced_greedy_runs
-from tests.support.prefill_cases import BS
 from tests.support.prefill_cases import case as _case
 from tests.support.prefill_cases import reference as _reference
+from tests.support.prefill_cases import assert_bad_tables_and_rows_rejected, errors_vs_sdpa
 
 CPU = torch.device("cpu")
 BUILD = paged_prefill_cpu.load_extension()
@@ -99,15 +99,7 @@ def test_the_threads_split_of_the_work_changes_no_bit():
 def test_no_worse_than_torch_sdpa_in_bf16():
     """The same inputs through torch's bf16 SDPA: the kernel's error vs float64 is of the same size."""
     q, kv, tables, info = _case(9, 3, [(300, 300), (48, 400)], seed=1)
-    out, ref = _run(q, kv, tables, info), _reference(q, kv, tables, info, 0.125)
-    for s, (r0, q_len, n) in enumerate(info.tolist()):
-        blocks = tables[s, :-(-n // BS)]
-        k, v = (kv[blocks, i].flatten(0, 1)[:n].transpose(0, 1) for i in (0, 1))
-        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
-        sdpa = F.scaled_dot_product_attention(q[r0:r0 + q_len].transpose(0, 1), k, v, attn_mask=visible, scale=0.125,
-                                              enable_gqa=True).transpose(0, 1)
-        ours = float((out[r0:r0 + q_len].double() - ref[r0]).abs().max())
-        theirs = float((sdpa.double() - ref[r0]).abs().max())
+    for ours, theirs in errors_vs_sdpa(q, kv, tables, info, _run(q, kv, tables, info)):
         assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
@@ -123,16 +115,7 @@ def test_peaked_scores_over_a_long_context():
 
 @needs_kernel
 def test_bad_tables_and_rows_are_errors_not_reads_out_of_bounds():
-    q, kv, tables, info = _case(9, 3, [(20, 20), (5, 40)])
-    bad = tables.clone()
-    bad[1, 2] = kv.shape[0]
-    with pytest.raises(RuntimeError, match="block id out of range"):
-        _run(q, kv, bad, info)
-    for row, match in (([0, 20, tables.shape[1] * BS + 1], "seq_len"), ([0, 20, 19], "seq_len"),
-                       ([q.shape[0] - 3, 5, 40], "query rows"), ([0, 0, 5], "query rows")):
-        with pytest.raises(RuntimeError, match=match):
-            _run(q, kv, tables, torch.tensor([row, info[1].tolist()]))
-
+    assert_bad_tables_and_rows_rejected(_run, *_case(9, 3, [(20, 20), (5, 40)]))
 
 
 @needs_kernel

@@ -4,7 +4,9 @@ reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 BS = 16
 
@@ -42,3 +44,31 @@ def reference(q, kv, tables, info, scale):
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[r0] = torch.einsum("hql,lhd->qhd", p, v)
     return out
+
+
+def errors_vs_sdpa(q, kv, tables, info, out, scale=0.125):
+    """Per chunk, (the max error of ``out`` vs float64, that of torch's SDPA on the same inputs and dtype)."""
+    ref = reference(q, kv, tables, info, scale)
+    pairs = []
+    for s, (r0, q_len, n) in enumerate(info.tolist()):
+        blocks = tables[s, :-(-n // BS)]
+        k, v = (kv[blocks, i].flatten(0, 1)[:n].transpose(0, 1) for i in (0, 1))
+        visible = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        sdpa = F.scaled_dot_product_attention(q[r0:r0 + q_len].transpose(0, 1), k, v, attn_mask=visible, scale=scale,
+                                              enable_gqa=True).transpose(0, 1)
+        pairs.append((float((out[r0:r0 + q_len].double() - ref[r0]).abs().max()),
+                      float((sdpa.double() - ref[r0]).abs().max())))
+    return pairs
+
+
+def assert_bad_tables_and_rows_rejected(run, q, kv, tables, info):
+    """``run(q, kv, tables, info)`` raises on a block id past the cache, a seq_len past the table or below q_len, and
+    query rows outside q (``info``: two chunks, the second 5 rows over 40 slots)."""
+    bad = tables.clone()
+    bad[1, 2] = kv.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        run(q, kv, bad, info)
+    for row, match in (([0, 20, tables.shape[1] * BS + 1], "seq_len"), ([0, 20, 19], "seq_len"),
+                       ([q.shape[0] - 3, 5, 40], "query rows"), ([0, 0, 5], "query rows")):
+        with pytest.raises(RuntimeError, match=match):
+            run(q, kv, tables, torch.tensor([row, info[1].tolist()]))
