@@ -11,16 +11,17 @@ added in the order torch's own CPU kernels add it, so the greedy engine keeps tr
 - RMSNorm: ``(s * r) * w`` with ``r = 1 / sqrt(sum(s * s) / N + eps)`` and ``s = res + x`` (or ``x``). The sum of
   squares follows torch's vectorized inner sum (aten/src/ATen/native/cpu/SumKernel.cpp): ``L``-lane vector partial
   sums over four interleaved accumulators, cascaded in levels of 16 vectors, then the tail and the lanes added in
-  order; ``L`` is the lane count of the kernels torch picked for this CPU (8 for AVX2, 16 for AVX-512).
+  order; ``L`` = 8, the lanes of the AVX2 kernels torch picks on a CPU without AVX-512.
 - RoPE: ``x * cos + rotate_half(x) * sin``, each product and the sum rounded as the three eager ops round them (built
   with ``-ffp-contract=off``: no fused multiply-add).
 - SiLU: ``g / (1 + e^-g)`` with SLEEF's ``expf`` (1-ulp), the function torch's vectorized SiLU calls, linked from
   torch's own library; then ``* up``.
 tests/kernels/test_fused_f32_cpu.py compares each op with the eager chain with ``torch.equal``.
 
-Served for float32 tensors on CPU where torch runs its AVX2 or AVX-512 kernels (``torch.backends.cpu
-.get_cpu_capability()``) and this builds; elsewhere, on a build failure or with ``PDSERVE_CPU_FUSED_ELEMENTWISE=0``,
-the eager chains run.
+Served for float32 tensors on CPU where torch runs its AVX2 kernels (``torch.backends.cpu.get_cpu_capability()``: CPUs
+without AVX-512, where ``--dtype auto`` is float32) and this builds. Torch's AVX-512 kernels sum in 16 lanes; that
+order is not replicated (no CPU here to check it on), so there, on a build failure or with
+``PDSERVE_CPU_FUSED_ELEMENTWISE=0``, the eager chains run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from pdserve.kernels import cpp_build
 
 log = logging.getLogger(__name__)
-LANES = {"AVX2": 8, "AVX512": 16}   # torch's CPU capability -> its Vectorized<float> lanes
+LANES = {"AVX2": 8}   # torch's CPU capability -> its Vectorized<float> lanes (its AVX-512 kernels: 16, not replicated)
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -46,17 +47,6 @@ SOURCE = r"""
 #include <tuple>
 
 namespace {
-#if PD_LANES == 16
-using V = __m512;
-inline V vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
-inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
-inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
-inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
-inline V vset(float x) { return _mm512_set1_ps(x); }
-inline V vneg(V a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
-inline V vexp(V a) { return Sleef_expf16_u10(a); }
-#else
 using V = __m256;
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -66,8 +56,7 @@ inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vset(float x) { return _mm256_set1_ps(x); }
 inline V vneg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline V vexp(V a) { return Sleef_expf8_u10(a); }
-#endif
-constexpr int64_t L = PD_LANES;
+constexpr int64_t L = 8;
 
 // sum(s[i] * s[i]) over n floats, added in torch's order for a contiguous inner reduction: vector i of the row goes
 // to accumulator i % 4; runs of 16 such quads cascade into up to 4 levels; then leftovers, levels, accumulators;
@@ -216,7 +205,7 @@ TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
 
 
 def lanes() -> int | None:
-    """The float lanes of the vector kernels torch runs on this CPU (8 AVX2, 16 AVX-512), or None (others)."""
+    """The float lanes of the vector kernels torch runs on this CPU (8: AVX2), or None (others: the ops are not used)."""
     return LANES.get(torch.backends.cpu.get_cpu_capability())
 
 
@@ -225,9 +214,9 @@ def load_extension() -> str | None:
     """Builds (first use on this host) or loads the ops; None when they work here, else why they cannot be used."""
     n = lanes()
     if n is None:
-        return f"the fused float32 ops follow torch's AVX2 / AVX-512 kernels; torch runs {torch.backends.cpu.get_cpu_capability()}"
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx512f", "-mavx512dq"] if n == 16 else ["-mavx2"])]
-    reason = cpp_build.build("pdserve_fused_f32_cpu", f"#define PD_LANES {n}\n" + SOURCE, flags,
+        return f"the fused float32 ops follow torch's AVX2 kernels; torch runs {torch.backends.cpu.get_cpu_capability()}"
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2"]
+    reason = cpp_build.build("pdserve_fused_f32_cpu", SOURCE, flags,
                              "the fused float32 CPU elementwise ops")
     if reason:
         log.warning("%s; float32 RMSNorm, RoPE and SiLU run eager torch ops", reason)
