@@ -34,7 +34,6 @@ import torch
 from pdserve.kernels import cpp_build
 
 log = logging.getLogger(__name__)
-LANES = {"AVX2": 8}   # torch's CPU capability -> its Vectorized<float> lanes (its AVX-512 kernels: 16, not replicated)
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -47,15 +46,6 @@ SOURCE = r"""
 #include <tuple>
 
 namespace {
-using V = __m256;
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
-inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
-inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
-inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
-inline V vset(float x) { return _mm256_set1_ps(x); }
-inline V vneg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
-inline V vexp(V a) { return Sleef_expf8_u10(a); }
 constexpr int64_t L = 8;
 
 // sum(s[i] * s[i]) over n floats, added in torch's order for a contiguous inner reduction: vector i of the row goes
@@ -67,26 +57,26 @@ float sum_squares(const float* s, int64_t n) {
   while ((int64_t(1) << power) < rows) power++;   // ceil(log2(rows))
   power = std::max<int64_t>(4, power / 4);
   const int64_t step = int64_t(1) << power, mask = step - 1;
-  V acc[4][4];
-  for (auto& lv : acc) for (auto& a : lv) a = vset(0.f);
-  auto sq = [&](int64_t v) { const V x = vload(s + v * L); return vmul(x, x); };
+  __m256 acc[4][4];
+  for (auto& lv : acc) for (auto& a : lv) a = _mm256_setzero_ps();
+  auto sq = [&](int64_t v) { const __m256 x = _mm256_loadu_ps(s + v * L); return _mm256_mul_ps(x, x); };
   int64_t i = 0;
   while (i + step <= rows) {
     for (int64_t j = 0; j < step; j++, i++)
-      for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], sq(4 * i + k));
+      for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], sq(4 * i + k));
     for (int j = 1; j < 4; j++) {
-      for (int k = 0; k < 4; k++) { acc[j][k] = vadd(acc[j][k], acc[j - 1][k]); acc[j - 1][k] = vset(0.f); }
+      for (int k = 0; k < 4; k++) { acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]); acc[j - 1][k] = _mm256_setzero_ps(); }
       if (i & (mask << (j * power))) break;
     }
   }
   for (; i < rows; i++)
-    for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], sq(4 * i + k));
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], sq(4 * i + k));
   for (int j = 1; j < 4; j++)
-    for (int k = 0; k < 4; k++) acc[0][k] = vadd(acc[0][k], acc[j][k]);
-  for (int64_t v = rows * 4; v < nv; v++) acc[0][0] = vadd(acc[0][0], sq(v));
-  for (int k = 1; k < 4; k++) acc[0][0] = vadd(acc[0][0], acc[0][k]);
+    for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * 4; v < nv; v++) acc[0][0] = _mm256_add_ps(acc[0][0], sq(v));
+  for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
   alignas(64) float lanes[L];
-  vstore(lanes, acc[0][0]);
+  _mm256_storeu_ps(lanes, acc[0][0]);
   float total = 0.f;
   for (int64_t t = nv * L; t < n; t++) total += s[t] * s[t];
   for (int64_t k = 0; k < L; k++) total += lanes[k];
@@ -183,8 +173,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       const float* g = gp + t * gs;
       float* o = op + t * I;
       for (int64_t i = 0; i < vec_end; i += L) {
-        const V x = vload(g + i);
-        vstore(o + i, vmul(vdiv(x, vadd(vset(1.f), vexp(vneg(x)))), vload(g + I + i)));
+        const __m256 x = _mm256_loadu_ps(g + i), e = Sleef_expf8_u10(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)));   // e^-x
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                              _mm256_loadu_ps(g + I + i)));
       }
       for (int64_t i = vec_end; i < I; i++) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
     }
@@ -204,19 +195,12 @@ TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
 """
 
 
-def lanes() -> int | None:
-    """The float lanes of the vector kernels torch runs on this CPU (8: AVX2), or None (others: the ops are not used)."""
-    return LANES.get(torch.backends.cpu.get_cpu_capability())
-
-
 @functools.lru_cache(maxsize=1)
 def load_extension() -> str | None:
     """Builds (first use on this host) or loads the ops; None when they work here, else why they cannot be used."""
-    n = lanes()
-    if n is None:
-        return f"the fused float32 ops follow torch's AVX2 kernels; torch runs {torch.backends.cpu.get_cpu_capability()}"
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2"]
-    reason = cpp_build.build("pdserve_fused_f32_cpu", SOURCE, flags,
+    if (capability := torch.backends.cpu.get_cpu_capability()) != "AVX2":   # its 8-lane summation order
+        return f"the fused float32 ops follow torch's AVX2 kernels; torch runs {capability}"
+    reason = cpp_build.build("pdserve_fused_f32_cpu", SOURCE, ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2"],
                              "the fused float32 CPU elementwise ops")
     if reason:
         log.warning("%s; float32 RMSNorm, RoPE and SiLU run eager torch ops", reason)

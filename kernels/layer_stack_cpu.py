@@ -143,7 +143,7 @@ class LayerStack:
         self.model = model
         self.steps = 0
         self._plain: tuple[Any, Plain | None] | None = None   # (first qkv, _scan())
-        self._plain_f32: tuple[Any, Any] | None = None   # (first qkv, layer_stack_f32_cpu.scan())
+        self._plain_f32: tuple[Any, layer_stack_f32_cpu.Plain | None] | None = None   # (first qkv, scan())
 
     def _plain_layers(self) -> Plain | None:
         """(every layer's [norm, qkv, o, norm, gate_up, down] tensors, their linears' coded-weight metas or [], the

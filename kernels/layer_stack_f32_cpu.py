@@ -18,7 +18,7 @@ no q/k norm, the fused float32 ops on, the KV rows view of the cache. ``PDSERVE_
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -138,7 +138,14 @@ def load_extension() -> str | None:
     return cpp_build.build("pdserve_layer_stack_f32_cpu", SOURCE, ["-O2"], "the float32 CPU layer stack")
 
 
-Plain = tuple[list[torch.Tensor], list[int], list[torch.Tensor], int]   # weights, forms, codes, coded linears
+class Plain(NamedTuple):
+    """What :func:`scan` found: the op's arguments for the model, and how many linears have codes / are small-rows."""
+    weights: list[torch.Tensor]
+    forms: list[int]
+    codes: list[torch.Tensor]
+    dims: list[int]
+    coded: int
+    small: int   # small-rows linears without codes
 
 
 def _form(m: nn.Module) -> tuple[list[int], list[torch.Tensor]] | None:
@@ -174,7 +181,9 @@ def scan(model: Any) -> Plain | None:
             codes += c
     if codes and linear_f32_cpu.load_extension() is not None:
         return None
-    return weights, forms, codes, len(codes) // 3
+    a = model.args
+    dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1, gguf_codes_linear.ROWS.stop - 1]
+    return Plain(weights, forms, codes, dims, len(codes) // 3, forms[::4].count(1))
 
 
 def forward(model: Any, plain: Plain, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -184,16 +193,12 @@ def forward(model: Any, plain: Plain, h: torch.Tensor, cos: torch.Tensor, sin: t
     if plan.paged is None or plan.paged[0] is not None or plan.decode_groups or plan.prefills \
             or not fused_f32_cpu.enabled(h) or load_extension() is not None:
         return None
-    weights, forms, codes, coded = plain
-    a, attn0, rows = model.args, model.layers[0].self_attn, h.shape[0]
-    dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1, gguf_codes_linear.ROWS.stop - 1]
     _, tables, lens = plan.paged
-    out = torch.ops.pdserve_layer_stack_f32_cpu.forward(h, cos, sin, kv_cache, weights, forms, codes, dims,
-                                                        a.rms_norm_eps, attn0.scale, plan.kv_rows, tables, lens)
-    small = sum(1 for k in forms[::4] if k >= 1)
-    if rows in gguf_codes_linear.ROWS:
-        CodesLinear.served += coded
-        small -= coded
-    if rows in SMALL_ROWS:
-        SmallRowsLinear.served += small
+    out = torch.ops.pdserve_layer_stack_f32_cpu.forward(h, cos, sin, kv_cache, plain.weights, plain.forms, plain.codes,
+                                                        plain.dims, model.args.rms_norm_eps,
+                                                        model.layers[0].self_attn.scale, plan.kv_rows, tables, lens)
+    rows = h.shape[0]   # the products each path served, as the modules would have counted them
+    coded_here = rows in gguf_codes_linear.ROWS
+    CodesLinear.served += plain.coded if coded_here else 0
+    SmallRowsLinear.served += (plain.small + (0 if coded_here else plain.coded)) if rows in SMALL_ROWS else 0
     return out
