@@ -18,8 +18,10 @@ Built on first use (kernels/cpp_build.py); AVX-512 intrinsics where the CPU has 
 where the CPU has those (AMD Zen 2/3, Intel before Cooper Lake): for common shapes (GQA group 1-4, 7, 8; head dim 64
 or 128; a block size that is a multiple of 8) a fixed-shape item that scores 8 K rows at a time and keeps its V sums
 in registers (float32, one layer of the default model, cold cache: 1.5 -> 0.86 ms at 32 sequences, 3.0 -> 1.8 ms at
-64), else the generic loop's dot products, softmax and V sums (3-12x the plain loop); or plain C++ (``isa()`` says
-which). If the build fails the torch path is used (one
+64); with enough sequences for every thread, one item per sequence that reads each block's K (then V) rows for all
+heads as one span and asks for the next block's while it computes (the same sums per head; 1.3 -> 0.87 ms at 32
+sequences of 400 tokens, the cache on huge pages); else the generic loop's dot products, softmax and V sums (3-12x the plain loop); or plain C++
+(``isa()`` says which). If the build fails the torch path is used (one
 warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
 """
 
@@ -423,13 +425,82 @@ void item_fixed8(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector
       for (int j = 0; j < H; j++) _mm256_storeu_ps(out + g * D + 8 * (h + j), o[g][j]);
   }
 }
+// One whole sequence, every KV head, block by block (many sequences per step), with the same sums per head as
+// item_fixed8 (the same bits). A block's K (then V) rows hold all heads side by side, so each is read as one
+// contiguous span, and the next block's span is asked for (_mm_prefetch) a slice per head while this block is
+// computed: without that, loads and arithmetic took turns (float32, one layer of the default model at 32 sequences of
+// 400 tokens, cold cache on huge pages: 1.3 -> 0.87 ms; benchmarks/RESULTS.md).
+template <typename KV, int G, int DV>
+void seq_fixed8(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) {
+  if (a.bs % 8 != 0) {
+    for (int64_t kh = 0; kh < a.Hkv; kh++) item<KV>(a, kv, b, kh, sc);
+    return;
+  }
+  constexpr int64_t D = 8 * DV;
+  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
+  const int64_t L = a.lens[b], row = a.Hkv * D, nblk = (L + a.bs - 1) / a.bs, HG = a.Hkv * G;
+  const int64_t lines = a.bs * row * (int64_t)sizeof(KV) / 64;   // one block's K (or V): whole 64-byte lines
+  const int64_t* table = a.tables + b * a.nb;
+  const auto ask = [&](const KV* next, int64_t h) {   // slice h of HG of the block at `next`
+    if (next != nullptr)
+      for (int64_t l = h * lines / HG; l < (h + 1) * lines / HG; l++) _mm_prefetch((const char*)next + 64 * l, _MM_HINT_T0);
+  };
+  sc.resize(HG * L);
+  float* s = sc.data();
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  const float* q = a.q + b * a.H * D;
+  for (int64_t i = 0; i < nblk; i++) {   // the last K block asks for the first V block
+    const KV* blk = kv + table[i] * a.s_block;
+    const KV* next = i + 1 < nblk ? kv + table[i + 1] * a.s_block : kv + table[0] * a.s_block + a.s_kv;
+    const int64_t rows = std::min(a.bs, L - i * a.bs);
+    for (int64_t h = 0; h < HG; h++) {
+      ask(next, h);
+      const KV* k = blk + (h / G) * D;
+      __m256 qv[DV];
+      for (int j = 0; j < DV; j++) qv[j] = _mm256_loadu_ps(q + h * D + 8 * j);
+      for (int64_t r = 0; r < rows; r += 8) {
+        const int64_t n = std::min<int64_t>(8, rows - r);
+        const __m256 lo = dots4<KV, DV>(qv, k + r * row, row, n), hi = dots4<KV, DV>(qv, k + (r + 4) * row, row, n - 4);
+        __m256 tot = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+        tot = _mm256_mul_ps(bf16 ? round8(tot) : tot, scale);
+        float* dst = s + h * L + i * a.bs + r;
+        if (n == 8) {
+          _mm256_storeu_ps(dst, tot);
+        } else {
+          alignas(32) float part[8];
+          _mm256_store_ps(part, tot);
+          std::memcpy(dst, part, n * sizeof(float));
+        }
+      }
+    }
+  }
+  softmax_rows(s, HG, L, bf16);
+  float* out = a.out + b * a.H * D;
+  std::fill(out, out + a.H * D, 0.f);
+  for (int64_t i = 0; i < nblk; i++) {
+    const KV* blk = kv + table[i] * a.s_block + a.s_kv;
+    const KV* next = i + 1 < nblk ? kv + table[i + 1] * a.s_block + a.s_kv : nullptr;
+    for (int64_t h = 0, rows = std::min(a.bs, L - i * a.bs); h < HG; h++) {
+      ask(next, h);
+      const KV* v = blk + (h / G) * D;
+      const float* p = s + h * L + i * a.bs;
+      __m256 o[DV];
+      for (int j = 0; j < DV; j++) o[j] = _mm256_loadu_ps(out + h * D + 8 * j);
+      for (int64_t r = 0; r < rows; r++) {
+        const __m256 w = _mm256_set1_ps(p[r]);
+        for (int j = 0; j < DV; j++) o[j] = _mm256_fmadd_ps(w, load8(v + r * row + 8 * j), o[j]);
+      }
+      for (int j = 0; j < DV; j++) _mm256_storeu_ps(out + h * D + 8 * j, o[j]);
+    }
+  }
+}
 #endif
 
 using ItemFn = void (*)(const Args&, const void*, int64_t, int64_t, std::vector<float>&);
 using SeqFn = void (*)(const Args&, const void*, int64_t, std::vector<float>&);
 
-// A whole-sequence work item for a bf16 cache of the default model's shapes (G 3, head dim 64) or its neighbours;
-// nullptr elsewhere (the per-head items serve).
+// A whole-sequence work item for the default model's shapes (G 3, head dim 64) or its neighbours: with AVX-512 for a
+// bf16 cache, with AVX2 for either; nullptr elsewhere (the per-head items serve).
 SeqFn pick_seq(bool bf16, int64_t G, int64_t D) {
 #ifdef PD_AVX512
 #define PD_SEQ(g, dv) \
@@ -438,6 +509,15 @@ SeqFn pick_seq(bool bf16, int64_t G, int64_t D) {
       seq_fixed<uint16_t, g, dv>(a, (const uint16_t*)kv, b, sc); };
   PD_SEQ(1, 4) PD_SEQ(2, 4) PD_SEQ(3, 4) PD_SEQ(4, 4) PD_SEQ(8, 4) PD_SEQ(1, 8) PD_SEQ(2, 8) PD_SEQ(4, 8)
 #undef PD_SEQ
+#elif defined(PD_AVX2)
+#define PD_SEQ8(g, dv) \
+  if (G == g && D == 8 * dv) \
+    return bf16 ? SeqFn([](const Args& a, const void* kv, int64_t b, std::vector<float>& sc) { \
+                    seq_fixed8<uint16_t, g, dv>(a, (const uint16_t*)kv, b, sc); }) \
+                : SeqFn([](const Args& a, const void* kv, int64_t b, std::vector<float>& sc) { \
+                    seq_fixed8<float, g, dv>(a, (const float*)kv, b, sc); });
+  PD_SEQ8(1, 8) PD_SEQ8(2, 8) PD_SEQ8(3, 8) PD_SEQ8(4, 8) PD_SEQ8(8, 8) PD_SEQ8(1, 16) PD_SEQ8(2, 16) PD_SEQ8(4, 16)
+#undef PD_SEQ8
 #endif
   return nullptr;
 }
