@@ -19,7 +19,7 @@ import torch
 from pdserve.kernels import greedy_head_cpu, gguf_codes_linear, small_rows_linear
 from pdserve.kernels.base import AttentionMetadata
 from pdserve.kernels.packed_linear import pack_linears
-from pdserve.runtime import envs
+from pdserve.runtime import envs, huge_pages
 from pdserve.runtime.config import EngineConfig
 from pdserve.runtime.kv_cache_manager import cdiv
 from pdserve.runtime.input_batch import InputBatch
@@ -80,8 +80,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): the engine's only KV storage
-        self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
-                                    dtype=dtype, device=device)
+        self.kv_cache = huge_pages.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads,
+                                           model.head_dim), dtype, device)
         self.batch = InputBatch(device)
         self.sampler = Sampler(device, seed)
         self.proposer = None      # speculative decoding: proposes drafts after sampling (runtime/spec_propose.py)

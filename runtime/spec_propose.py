@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.runtime import huge_pages
 from pdserve.runtime.input_batch import CachedRequestState
 from pdserve.runtime.sampler import _top_k_top_p_min_p
 from pdserve.runtime.spec_config import SpeculativeConfig
@@ -105,8 +106,8 @@ class DraftModelProposer:
                  dtype: torch.dtype, device: torch.device, max_len: int) -> None:
         self.config, self.model, self.block_size, self.device, self.max_len = config, model, block_size, device, max_len
         # (num_blocks, draft layers, 2, block_size, kv heads, head_dim), addressed by the target's block ids
-        self.kv_cache = torch.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim),
-                                    dtype=dtype, device=device)
+        self.kv_cache = huge_pages.zeros((num_blocks, model.num_layers, 2, block_size, model.num_kv_heads,
+                                           model.head_dim), dtype, device)
         self._computed: dict[str, int] = {}     # request id -> tokens whose draft KV is computed
         self._probs: dict[str, torch.Tensor] = {}   # request id -> (k, vocab) q of its sampled drafts
 
