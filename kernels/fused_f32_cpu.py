@@ -1,5 +1,6 @@
 """Fused float32 elementwise ops on CPU, bit for bit the eager chains they replace: RMSNorm (optionally after the
-residual add), RoPE on q and k, SiLU(gate) * up.
+residual add), RoPE on q and k, SiLU(gate) * up; and a transpose, the small-rows linears' way back from ``W X^T``
+(kernels/small_rows_linear.py: torch's strided copy took ~9 of a 136 ms float32 decode step at 32 sequences).
 
 Why: on CPUs without AVX-512 ``--dtype auto`` is float32, and a decode step's norms, RoPE and SwiGLU ran as ~16 eager
 torch calls a layer, each a Python call, a dispatch and an allocation for a few hundred floats: ~16 of a one-sequence
@@ -182,6 +183,52 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   });
   return out;
 }
+
+// The 8 x 8 floats of r, transposed in registers
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; i++) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) {
+      u[4 * i + 2 * j] = _mm256_shuffle_ps(t[4 * i + j], t[4 * i + j + 2], 0x44);
+      u[4 * i + 2 * j + 1] = _mm256_shuffle_ps(t[4 * i + j], t[4 * i + j + 2], 0xee);
+    }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// r (N, T) -> its transpose (T, N), contiguous (what r.t().contiguous() copies): 8 x 8 tiles through registers, the
+// 8-row strips of r spread over the threads
+at::Tensor transpose(const at::Tensor& r) {
+  TORCH_CHECK(r.dim() == 2 && r.scalar_type() == at::kFloat && r.is_contiguous(), "r: contiguous float32 (N, T)");
+  const int64_t N = r.size(0), T = r.size(1), T8 = T / 8 * 8;
+  at::Tensor y = at::empty({T, N}, r.options());
+  const float* s = r.data_ptr<float>();
+  float* d = y.data_ptr<float>();
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = 8 * b0; n < std::min(N, 8 * b1); n += 8) {
+      if (n + 8 > N) {
+        for (int64_t i = n; i < N; i++)
+          for (int64_t t = 0; t < T; t++) d[t * N + i] = s[i * T + t];
+        continue;
+      }
+      for (int64_t t = 0; t < T8; t += 8) {
+        __m256 x[8];
+        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(s + (n + i) * T + t);
+        transpose8(x);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + (t + j) * N + n, x[j]);
+      }
+      for (int64_t t = T8; t < T; t++)
+        for (int i = 0; i < 8; i++) d[t * N + n + i] = s[(n + i) * T + t];
+    }
+  });
+  return y;
+}
 }  // namespace
 
 TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
@@ -191,6 +238,8 @@ TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("transpose(Tensor r) -> Tensor");
+  m.impl("transpose", c10::DispatchKey::CPU, TORCH_FN(transpose));
 }
 """
 
@@ -213,3 +262,9 @@ def enabled(x: torch.Tensor) -> bool:
 
     return (x.device.type == "cpu" and x.dtype == torch.float32 and envs.cpu_fused_elementwise()
             and load_extension() is None)
+
+
+def transposed(r: torch.Tensor) -> torch.Tensor:
+    """``r.t().contiguous()`` for a contiguous 2-D ``r``: the ``transpose`` op's 8 x 8 register tiles where the ops
+    serve (the same values, ~3x faster than torch's strided copy), else torch's copy."""
+    return torch.ops.pdserve_fused_f32_cpu.transpose(r) if enabled(r) else r.t().contiguous()

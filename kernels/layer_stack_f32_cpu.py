@@ -40,6 +40,13 @@ struct Ops {  // resolved once (their libraries are loaded before the first call
   c10::TypedOperatorHandle<Decode> decode = op<Decode>("pdserve_paged_cpu::decode");
 };
 
+using Transpose = at::Tensor(const at::Tensor&);
+
+const c10::TypedOperatorHandle<Transpose>& transpose_op() {   // (N, T) -> (T, N): the small rows' product back
+  static const auto handle = op<Transpose>("pdserve_fused_f32_cpu::transpose");
+  return handle;
+}
+
 const c10::TypedOperatorHandle<Codes>& codes_op() {  // only where some linear has codes (its library is then loaded)
   static const auto handle = op<Codes>("pdserve_qf32::mm");
   return handle;
@@ -55,7 +62,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* form,
     const OptT zero = codes[2].numel() ? OptT(codes[2]) : OptT();
     return codes_op().call(x.contiguous(), codes[0], codes[1], zero, form[1], form[2], form[3] != 0);
   }
-  if (form[0] >= 1 && T >= rows[0] && T <= rows[1]) return at::mm(w, x.t()).t().contiguous();
+  if (form[0] >= 1 && T >= rows[0] && T <= rows[1]) return transpose_op().call(at::mm(w, x.t()));
   return at::linear(x, w);
 }
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import fused_f32_cpu
 from pdserve.kernels.packed_linear import replace_linears
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows not in ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
-    y = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
+    y = fused_f32_cpu.transposed(torch.mm(weight, x.reshape(rows, -1).t()))
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

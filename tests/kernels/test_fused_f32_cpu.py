@@ -1,5 +1,5 @@
 """The fused float32 CPU elementwise ops (kernels/fused_f32_cpu.py) against the eager chains they replace, bit for bit
-(``torch.equal``) on the same inputs, tails and extreme values included; bad shapes are errors; the float32 engine
+(``torch.equal``) on the same inputs, tails and extreme values included, and their transpose against torch's copy; bad shapes are errors; the float32 engine
 runs them and its greedy tokens are the eager path's."""
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ def test_silu_mul_bit_for_bit(rows, width):
     assert want[0, 5].isnan() and torch.equal(got.view(torch.int32), want.view(torch.int32))   # NaN's bits too
 
 
+@pytest.mark.parametrize("n,t", [(576, 32), (3072, 9), (960, 31), (49152, 2), (13, 5), (8, 8), (7, 33), (1, 1)])
+def test_transpose_is_torchs_copy(n, t):
+    """The small-rows product's way back, ``(W X^T)^T``: 8 x 8 tiles, ragged edges on both sides; NaN, infinities and
+    -0 keep their bits."""
+    r = _f32(n, t, seed=n + t)
+    r.view(-1)[::7] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).repeat(r.numel() // 28 + 1)[
+        :len(r.view(-1)[::7])]
+    got, want = ops.transpose(r), r.t().contiguous()
+    assert got.shape == (t, n) and got.is_contiguous()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(fused_f32_cpu.transposed(r).view(torch.int32), want.view(torch.int32))
+
+
 def test_bad_shapes_are_errors():
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(torch.randn(4, 64).bfloat16(), None, torch.ones(64), 1e-5)
@@ -68,6 +81,9 @@ def test_bad_shapes_are_errors():
         ops.rope(torch.randn(4, 3, 64), torch.randn(4, 1, 32), torch.randn(4, 1, 32))
     with pytest.raises(RuntimeError, match="even"):
         ops.silu_mul(torch.randn(4, 47))
+    for bad in (torch.randn(4, 8).t(), torch.randn(4, 8).bfloat16(), torch.randn(2, 4, 8)):
+        with pytest.raises(RuntimeError, match="contiguous float32"):
+            ops.transpose(bad)
 
 
 def test_switch_and_dtype(monkeypatch):
@@ -78,6 +94,7 @@ def test_switch_and_dtype(monkeypatch):
     monkeypatch.delenv("PDSERVE_CPU_FUSED_ELEMENTWISE")
     monkeypatch.setattr(fused_f32_cpu, "load_extension", lambda: "no compiler")
     assert not fused_f32_cpu.enabled(x)
+    assert torch.equal(fused_f32_cpu.transposed(x), x.t().contiguous())   # torch's copy where the ops do not serve
 
 
 def test_float32_engine_runs_them_and_keeps_its_tokens(monkeypatch):
