@@ -31,6 +31,9 @@ from pdserve.kernels.packed_linear import replace_linears
 log = logging.getLogger(__name__)
 
 ROWS = range(2, 129)   # the row counts served; elsewhere F.linear
+# Rows of a tall weight per sgemm call: MKL runs the tied LM head (49,152 x 576) faster in slabs than whole, at 16-32
+# rows 13.8 -> 10.9 and 18.8 -> 15.8 ms (2 threads, Zen 3); the decoder's linears gain nothing (benchmarks/RESULTS.md).
+CHUNK = 3072
 
 
 class SmallRowsLinear(nn.Linear):
@@ -60,10 +63,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows not in ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
-    y = fused_f32_cpu.transposed(torch.mm(weight, x.reshape(rows, -1).t()))
+    y = fused_f32_cpu.transposed(tall_mm(weight, x.reshape(rows, -1).t()))
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def tall_mm(weight: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(weight, xt)``, a weight of more than ``2 * CHUNK`` rows (the tied LM head) in near-equal slabs of
+    about :data:`CHUNK` rows (a multiple of 64; a last sliver would take another kernel), each its own sgemm into its
+    rows of the output: the same sums, so the same bits (tested)."""
+    n = weight.shape[0]
+    if n <= 2 * CHUNK:
+        return torch.mm(weight, xt)
+    size = -(-n // -(-n // CHUNK) // 64) * 64
+    out = torch.empty(n, xt.shape[1], dtype=xt.dtype)
+    for i in range(0, n, size):
+        torch.mm(weight[i:i + size], xt, out=out[i:i + size])
+    return out
 
 
 def applies(device: torch.device, dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:

@@ -1,5 +1,5 @@
 """Float32 linears of 2-128 rows as ``(W X^T)^T`` on CPUs without AVX-512 (kernels/small_rows_linear.py): within float32
-rounding of ``F.linear`` (bit-equal where it does not serve), the model's linears swapped without copies where it
+rounding of ``F.linear`` (bit-equal where it does not serve), a tall weight's slabs bit-equal to its whole product, the model's linears swapped without copies where it
 applies and nowhere else, and the engine really runs it with the same greedy tokens as ``F.linear``. Exact float32
 parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such
 CPUs."""
@@ -36,6 +36,15 @@ def test_same_products_as_f_linear(rows, bias):
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y3 = layer(x.view(1, rows, 576))   # leading dims are kept
     assert y3.shape == (1, rows, 960) and torch.equal(y3[0], y)
+
+
+@pytest.mark.parametrize("n", [2 * small_rows_linear.CHUNK, 2 * small_rows_linear.CHUNK + 1, 49152, 20000, 151936, 128256])
+def test_tall_weights_in_slabs_are_the_whole_products_bits(n):
+    """The LM head's shape and ragged last slabs: each slab's sgemm sums exactly what the whole one sums."""
+    gen = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 576, generator=gen) * 0.05, torch.randn(32, 576, generator=gen)
+    y = small_rows_linear.tall_mm(w, x.t())
+    assert y.shape == (n, 32) and y.is_contiguous() and torch.equal(y, torch.mm(w, x.t()))
 
 
 def test_swapped_only_where_it_applies_and_without_copies(monkeypatch):
