@@ -20,9 +20,9 @@ or 128; a block size that is a multiple of 8) a fixed-shape item that scores 8 K
 in registers (float32, one layer of the default model, cold cache: 1.5 -> 0.86 ms at 32 sequences, 3.0 -> 1.8 ms at
 64); with enough sequences for every thread, one item per sequence that reads each block's K (then V) rows for all
 heads as one span and asks for the next block's while it computes (the same sums per head; 1.3 -> 0.87 ms at 32
-sequences of 400 tokens, the cache on huge pages); else the generic loop's dot products, softmax and V sums (3-12x the plain loop); or plain C++
-(``isa()`` says which). If the build fails the torch path is used (one
-warning). ``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
+sequences of 400 tokens, the cache on huge pages); else the generic loop's dot products, softmax and V sums (3-12x the
+plain loop); or plain C++ (``isa()`` says which). If the build fails the torch path is used (one warning).
+``PDSERVE_CPU_DECODE_ATTENTION=torch`` forces the torch path.
 """
 
 from __future__ import annotations
@@ -365,6 +365,29 @@ inline __m256 dots4(const __m256 (&qv)[DV], const KV* k, int64_t row, int64_t n)
   return pair_sums4(acc[0], acc[1], acc[2], acc[3]);
 }
 
+// The scaled scores of one query head q (D = 8 * DV floats) over `rows` K rows of one block (k: the first, rows `row`
+// floats apart) into dst: 8 rows at a time, their sums reduced together by horizontal adds (dots4); over a bf16 cache
+// rounded to bf16 first, as the torch path's bf16 GEMM rounds them.
+template <typename KV, int DV>
+inline void scores8(const float* q, const KV* k, int64_t row, int64_t rows, __m256 scale, float* dst) {
+  constexpr bool bf16 = std::is_same<KV, uint16_t>::value;
+  __m256 qv[DV];
+  for (int j = 0; j < DV; j++) qv[j] = _mm256_loadu_ps(q + 8 * j);
+  for (int64_t r = 0; r < rows; r += 8) {
+    const int64_t n = std::min<int64_t>(8, rows - r);
+    const __m256 lo = dots4<KV, DV>(qv, k + r * row, row, n), hi = dots4<KV, DV>(qv, k + (r + 4) * row, row, n - 4);
+    __m256 tot = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    tot = _mm256_mul_ps(bf16 ? round8(tot) : tot, scale);
+    if (n == 8) {
+      _mm256_storeu_ps(dst + r, tot);
+    } else {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, tot);
+      std::memcpy(dst + r, part, n * sizeof(float));
+    }
+  }
+}
+
 // One (sequence b, KV head kh) for a fixed group size G and head dim 8 * DV, on AVX2's 16 vector registers: each
 // query head's scores 8 K rows at a time (the head in registers, the 8 rows' sums reduced together by horizontal adds
 // where one horizontal sum per row costs ~4x the work), then the V sums with the G x H output vectors in registers,
@@ -386,24 +409,7 @@ void item_fixed8(const Args& a, const KV* kv, int64_t b, int64_t kh, std::vector
   for (int64_t i = 0; i < nblk; i++) {
     const KV* k = k_at(i);
     const int64_t rows = std::min(a.bs, L - i * a.bs);
-    for (int g = 0; g < G; g++) {
-      __m256 qv[DV];
-      for (int j = 0; j < DV; j++) qv[j] = _mm256_loadu_ps(q + g * D + 8 * j);
-      for (int64_t r = 0; r < rows; r += 8) {
-        const int64_t n = std::min<int64_t>(8, rows - r);
-        const __m256 lo = dots4<KV, DV>(qv, k + r * row, row, n), hi = dots4<KV, DV>(qv, k + (r + 4) * row, row, n - 4);
-        __m256 tot = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-        tot = _mm256_mul_ps(bf16 ? round8(tot) : tot, scale);
-        float* dst = s + g * L + i * a.bs + r;
-        if (n == 8) {
-          _mm256_storeu_ps(dst, tot);
-        } else {
-          alignas(32) float part[8];
-          _mm256_store_ps(part, tot);
-          std::memcpy(dst, part, n * sizeof(float));
-        }
-      }
-    }
+    for (int g = 0; g < G; g++) scores8<KV, DV>(q + g * D, k, row, rows, scale, s + g * L + i * a.bs);
   }
   softmax_rows(s, G, L, bf16);
   float* out = a.out + (b * a.H + kh * G) * D;
@@ -455,23 +461,7 @@ void seq_fixed8(const Args& a, const KV* kv, int64_t b, std::vector<float>& sc) 
     const int64_t rows = std::min(a.bs, L - i * a.bs);
     for (int64_t h = 0; h < HG; h++) {
       ask(next, h);
-      const KV* k = blk + (h / G) * D;
-      __m256 qv[DV];
-      for (int j = 0; j < DV; j++) qv[j] = _mm256_loadu_ps(q + h * D + 8 * j);
-      for (int64_t r = 0; r < rows; r += 8) {
-        const int64_t n = std::min<int64_t>(8, rows - r);
-        const __m256 lo = dots4<KV, DV>(qv, k + r * row, row, n), hi = dots4<KV, DV>(qv, k + (r + 4) * row, row, n - 4);
-        __m256 tot = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-        tot = _mm256_mul_ps(bf16 ? round8(tot) : tot, scale);
-        float* dst = s + h * L + i * a.bs + r;
-        if (n == 8) {
-          _mm256_storeu_ps(dst, tot);
-        } else {
-          alignas(32) float part[8];
-          _mm256_store_ps(part, tot);
-          std::memcpy(dst, part, n * sizeof(float));
-        }
-      }
+      scores8<KV, DV>(q + h * D, blk + (h / G) * D, row, rows, scale, s + h * L + i * a.bs);
     }
   }
   softmax_rows(s, HG, L, bf16);
