@@ -76,8 +76,9 @@ def tall_mm(weight: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     if n <= 2 * CHUNK:
         return torch.mm(weight, xt)
-    size = -(-n // -(-n // CHUNK) // 64) * 64
-    out = torch.empty(n, xt.shape[1], dtype=xt.dtype)
+    slabs = -(-n // CHUNK)
+    size = 64 * -(-n // (64 * slabs))                     # ceil(n / slabs), rounded up to a multiple of 64
+    out = torch.empty(n, xt.shape[1], dtype=xt.dtype, device=xt.device)
     for i in range(0, n, size):
         torch.mm(weight[i:i + size], xt, out=out[i:i + size])
     return out

@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import sys
 
 import torch
 
@@ -23,6 +24,8 @@ MADV_HUGEPAGE = 14
 
 @functools.lru_cache(maxsize=1)
 def _madvise():
+    if sys.platform != "linux":   # MADV_HUGEPAGE is Linux's number
+        return None
     try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
     except (OSError, AttributeError):
