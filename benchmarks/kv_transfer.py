@@ -73,6 +73,7 @@ if "--kv-code" in sys.argv:
     _use_kv_code(sys.argv[sys.argv.index("--kv-code") + 1])
 
 from pdserve.kv_connectors.base import KVCacheSpec, PromptRequest, create_connector  # noqa: E402
+from pdserve.runtime import huge_pages  # noqa: E402
 
 BLOCK, PROMPT_TOKENS = 16, 2049
 NUM_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK          # 128 blocks move
@@ -229,10 +230,10 @@ def medium_probe(spec: KVCacheSpec, repeat: int) -> None:
     for huge in (False, True):
         maps, ts = [], []
         for _ in range(2):
-            m = mmap.mmap(-1, n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m = mmap.mmap(-1, n + huge_pages.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             addr = ctypes.addressof((ctypes.c_char * len(m)).from_buffer(m))
-            off = (-addr) % (2 << 20)
-            if huge and libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(n), 14) != 0:   # MADV_HUGEPAGE
+            off = (-addr) % huge_pages.HUGE
+            if huge and not huge_pages.advise(addr + off, n):
                 print("  madvise(MADV_HUGEPAGE) failed: THP is off on this host")
                 return
             maps.append(m)
