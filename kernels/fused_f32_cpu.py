@@ -202,11 +202,12 @@ inline void transpose8(__m256 (&r)[8]) {
   }
 }
 
-// r (N, T) -> its transpose (T, N), contiguous (what r.t().contiguous() copies): 8 x 8 tiles through registers, the
-// 8-row strips of r spread over the threads
-at::Tensor transpose(const at::Tensor& r) {
-  TORCH_CHECK(r.dim() == 2 && r.scalar_type() == at::kFloat && r.is_contiguous(), "r: contiguous float32 (N, T)");
-  const int64_t N = r.size(0), T = r.size(1), T8 = T / 8 * 8;
+// r (N, C) -> the transpose of its first T columns (T, N), contiguous (what r[:, :T].t().contiguous() copies): 8 x 8
+// tiles through registers, the 8-row strips of r spread over the threads
+at::Tensor transpose(const at::Tensor& r, int64_t T) {
+  TORCH_CHECK(r.dim() == 2 && r.scalar_type() == at::kFloat && r.is_contiguous(), "r: contiguous float32 (N, C)");
+  TORCH_CHECK(T >= 0 && T <= r.size(1), "cols: between 0 and r's columns");
+  const int64_t N = r.size(0), C = r.size(1), T8 = T / 8 * 8;
   at::Tensor y = at::empty({T, N}, r.options());
   const float* s = r.data_ptr<float>();
   float* d = y.data_ptr<float>();
@@ -214,17 +215,17 @@ at::Tensor transpose(const at::Tensor& r) {
     for (int64_t n = 8 * b0; n < std::min(N, 8 * b1); n += 8) {
       if (n + 8 > N) {
         for (int64_t i = n; i < N; i++)
-          for (int64_t t = 0; t < T; t++) d[t * N + i] = s[i * T + t];
+          for (int64_t t = 0; t < T; t++) d[t * N + i] = s[i * C + t];
         continue;
       }
       for (int64_t t = 0; t < T8; t += 8) {
         __m256 x[8];
-        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(s + (n + i) * T + t);
+        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(s + (n + i) * C + t);
         transpose8(x);
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + (t + j) * N + n, x[j]);
       }
       for (int64_t t = T8; t < T; t++)
-        for (int i = 0; i < 8; i++) d[t * N + n + i] = s[(n + i) * T + t];
+        for (int i = 0; i < 8; i++) d[t * N + n + i] = s[(n + i) * C + t];
     }
   });
   return y;
@@ -238,7 +239,7 @@ TORCH_LIBRARY(pdserve_fused_f32_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
-  m.def("transpose(Tensor r) -> Tensor");
+  m.def("transpose(Tensor r, int cols) -> Tensor");
   m.impl("transpose", c10::DispatchKey::CPU, TORCH_FN(transpose));
 }
 """
@@ -264,7 +265,9 @@ def enabled(x: torch.Tensor) -> bool:
             and load_extension() is None)
 
 
-def transposed(r: torch.Tensor) -> torch.Tensor:
-    """``r.t().contiguous()`` for a contiguous 2-D ``r``: the ``transpose`` op's 8 x 8 register tiles where the ops
-    serve (the same values, ~3x faster than torch's strided copy), else torch's copy."""
-    return torch.ops.pdserve_fused_f32_cpu.transpose(r) if enabled(r) else r.t().contiguous()
+def transposed(r: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """``r[:, :cols].t().contiguous()`` (all columns by default) for a contiguous 2-D ``r``: the ``transpose`` op's
+    8 x 8 register tiles where the ops serve (the same values, ~3x faster than torch's strided copy), else torch's
+    copy."""
+    cols = r.shape[1] if cols is None else cols
+    return torch.ops.pdserve_fused_f32_cpu.transpose(r, cols) if enabled(r) else r[:, :cols].t().contiguous()

@@ -26,6 +26,7 @@ from torch import nn
 from pdserve.kernels import cpp_build, fused_f32_cpu, gguf_codes_linear, linear_f32_cpu, paged_decode_cpu
 from pdserve.kernels.cpu_simd import STACK_PREAMBLE
 from pdserve.kernels.gguf_codes_linear import CodesLinear
+from pdserve.kernels.small_rows_linear import PAD_ABOVE, PAD_TO
 from pdserve.kernels.small_rows_linear import ROWS as SMALL_ROWS
 from pdserve.kernels.small_rows_linear import SmallRowsLinear
 
@@ -40,7 +41,7 @@ struct Ops {  // resolved once (their libraries are loaded before the first call
   c10::TypedOperatorHandle<Decode> decode = op<Decode>("pdserve_paged_cpu::decode");
 };
 
-using Transpose = at::Tensor(const at::Tensor&);
+using Transpose = at::Tensor(const at::Tensor&, int64_t);
 
 const c10::TypedOperatorHandle<Transpose>& transpose_op() {   // (N, T) -> (T, N): the small rows' product back
   static const auto handle = op<Transpose>("pdserve_fused_f32_cpu::transpose");
@@ -53,8 +54,9 @@ const c10::TypedOperatorHandle<Codes>& codes_op() {  // only where some linear h
 }
 
 // One linear as its module computes x (T, K) at T rows. form: [kind, bits, group_size, is_signed], kind 0 F.linear,
-// 1 small rows ((W X^T)^T at rows in [lo, hi]), 2 small rows with GGUF codes (codes' product at 1..codes_hi rows);
-// codes: [codes, scale, zero (empty: none)] for kind 2.
+// 1 small rows ((W X^T)^T at rows in [lo, hi], above pad_above rows zero-padded to a multiple of pad_to), 2 small
+// rows with GGUF codes (codes' product at 1..codes_hi rows); codes: [codes, scale, zero (empty: none)] for kind 2;
+// rows: [lo, hi, codes_hi, pad_above, pad_to].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* form, const at::Tensor* codes,
                   const int64_t* rows) {
   const int64_t T = x.size(0);
@@ -62,7 +64,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* form,
     const OptT zero = codes[2].numel() ? OptT(codes[2]) : OptT();
     return codes_op().call(x.contiguous(), codes[0], codes[1], zero, form[1], form[2], form[3] != 0);
   }
-  if (form[0] >= 1 && T >= rows[0] && T <= rows[1]) return transpose_op().call(at::mm(w, x.t()));
+  if (form[0] >= 1 && T >= rows[0] && T <= rows[1]) {
+    if (T <= rows[3]) return transpose_op().call(at::mm(w, x.t()), T);
+    at::Tensor xp = at::zeros({(T + rows[4] - 1) / rows[4] * rows[4], x.size(1)}, x.options());
+    xp.narrow(0, 0, T).copy_(x);
+    return transpose_op().call(at::mm(w, xp.t()), T);
+  }
   return at::linear(x, w);
 }
 
@@ -76,7 +83,8 @@ void write_kv(float* dst, int64_t w, const at::Tensor& k, const at::Tensor& v, c
 
 // h (T, hidden) float32, every token a decode, through every layer -> the residual stream after the last (before the
 // final norm). weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down]; forms: per layer 4 x 4
-// ints (see linear); codes: per kind-2 linear 3 tensors, in order; dims: [H, Hkv, D, small lo, small hi, codes hi];
+// ints (see linear); codes: per kind-2 linear 3 tensors, in order; dims: [H, Hkv, D, small lo, small hi, codes hi,
+// pad above, pad to];
 // kv_cache (num_blocks, layers, 2, bs, Hkv, D); kv_idx: the cache rows taking this step's K then V.
 at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                    at::TensorList weights, at::IntArrayRef forms, at::TensorList codes, at::IntArrayRef dims,
@@ -84,8 +92,8 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
                    const at::Tensor& lens) {
   static const Ops ops;
   const int64_t L = kv_cache.dim() == 6 ? kv_cache.size(1) : 0;
-  TORCH_CHECK(dims.size() == 6 && L > 0 && (int64_t)weights.size() == 6 * L && (int64_t)forms.size() == 16 * L,
-              "dims: 6 sizes; weights: 6, forms: 16 per layer of kv_cache");
+  TORCH_CHECK(dims.size() == 8 && L > 0 && (int64_t)weights.size() == 6 * L && (int64_t)forms.size() == 16 * L,
+              "dims: 8 sizes; weights: 6, forms: 16 per layer of kv_cache");
   int64_t coded = 0;
   for (int64_t i = 0; i < 4 * L; i++) coded += forms[4 * i] == 2;
   TORCH_CHECK((int64_t)codes.size() == 3 * coded, "codes: 3 tensors per coded linear");
@@ -189,7 +197,8 @@ def scan(model: Any) -> Plain | None:
     if codes and linear_f32_cpu.load_extension() is not None:
         return None
     a = model.args
-    dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1, gguf_codes_linear.ROWS.stop - 1]
+    dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1,
+            gguf_codes_linear.ROWS.stop - 1, PAD_ABOVE, PAD_TO]
     return Plain(weights, forms, codes, dims, len(codes) // 3, forms[::4].count(1))
 
 

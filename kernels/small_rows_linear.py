@@ -34,6 +34,16 @@ ROWS = range(2, 129)   # the row counts served; elsewhere F.linear
 # Rows of a tall weight per sgemm call: MKL runs the tied LM head (49,152 x 576) faster in slabs than whole, at 16-32
 # rows 13.8 -> 10.9 and 18.8 -> 15.8 ms (2 threads, Zen 3); the decoder's linears gain nothing (benchmarks/RESULTS.md).
 CHUNK = 3072
+# Above PAD_ABOVE rows, the rows go to the sgemm zero-padded to a multiple of PAD_TO: MKL runs W X^T at a multiple of
+# 16 columns far faster than at the columns around it (the default model's decoder linears, 2 threads, Zen 3: 11-15
+# rows 58-91 ms vs 43 at 16; 31 rows 125 vs 62 at 32; 47: 136 vs 81 at 48), and never much slower
+# (benchmarks/RESULTS.md). The padding's outputs are dropped by the transpose back.
+PAD_ABOVE, PAD_TO = 8, 16
+
+
+def padded(rows: int) -> int:
+    """The columns the sgemm runs ``rows`` rows at: above :data:`PAD_ABOVE`, the next multiple of :data:`PAD_TO`."""
+    return rows if rows <= PAD_ABOVE else -(-rows // PAD_TO) * PAD_TO
 
 
 class SmallRowsLinear(nn.Linear):
@@ -58,12 +68,16 @@ def rows_of(x: torch.Tensor) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, as ``(W X^T)^T`` when ``x`` has a number of rows in :data:`ROWS`."""
+    """``F.linear(x, weight, bias)``, as ``(W X^T)^T`` when ``x`` has a number of rows in :data:`ROWS` (the rows
+    zero-padded to :func:`padded` columns)."""
     rows = rows_of(x)
     if rows not in ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
-    y = fused_f32_cpu.transposed(tall_mm(weight, x.reshape(rows, -1).t()))
+    x2 = x.reshape(rows, -1)
+    if (cols := padded(rows)) != rows:
+        x2 = F.pad(x2, (0, 0, 0, cols - rows))
+    y = fused_f32_cpu.transposed(tall_mm(weight, x2.t()), rows)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

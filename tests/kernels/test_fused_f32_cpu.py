@@ -64,10 +64,14 @@ def test_transpose_is_torchs_copy(n, t):
     r = _f32(n, t, seed=n + t)
     r.view(-1)[::7] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).repeat(r.numel() // 28 + 1)[
         :len(r.view(-1)[::7])]
-    got, want = ops.transpose(r), r.t().contiguous()
+    got, want = ops.transpose(r, t), r.t().contiguous()
     assert got.shape == (t, n) and got.is_contiguous()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.equal(fused_f32_cpu.transposed(r).view(torch.int32), want.view(torch.int32))
+    for cols in {0, t // 2, t - 1} - {t}:   # only the first columns (the small rows' padding dropped)
+        got, want = fused_f32_cpu.transposed(r, cols), r[:, :cols].t().contiguous()
+        assert got.shape == (cols, n) and got.is_contiguous()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_bad_shapes_are_errors():
@@ -83,7 +87,10 @@ def test_bad_shapes_are_errors():
         ops.silu_mul(torch.randn(4, 47))
     for bad in (torch.randn(4, 8).t(), torch.randn(4, 8).bfloat16(), torch.randn(2, 4, 8)):
         with pytest.raises(RuntimeError, match="contiguous float32"):
-            ops.transpose(bad)
+            ops.transpose(bad, 1)
+    for cols in (-1, 9):
+        with pytest.raises(RuntimeError, match="cols"):
+            ops.transpose(torch.randn(4, 8), cols)
 
 
 def test_switch_and_dtype(monkeypatch):

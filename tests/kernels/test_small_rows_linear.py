@@ -38,6 +38,23 @@ def test_same_products_as_f_linear(rows, bias):
     assert y3.shape == (1, rows, 960) and torch.equal(y3[0], y)
 
 
+def test_rows_go_to_the_sgemm_padded_to_a_multiple_of_16(monkeypatch):
+    """Above 8 rows the sgemm runs a multiple of 16 columns, zeros past the rows; only the rows come back."""
+    assert [small_rows_linear.padded(r) for r in (2, 8, 9, 16, 17, 31, 32, 33, 128)] == [2, 8, 16, 16, 32, 32, 32, 48, 128]
+    seen, real = [], small_rows_linear.tall_mm
+    monkeypatch.setattr(small_rows_linear, "tall_mm", lambda w, xt: seen.append(xt) or real(w, xt))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=gen) * 0.05
+    for rows in (5, 9, 13, 31, 47):
+        x = torch.randn(rows, 576, generator=gen)
+        y = small_rows_linear.linear(x, w)
+        cols = small_rows_linear.padded(rows)
+        assert seen[-1].shape == (576, cols) and not seen[-1][:, rows:].any()
+        assert y.shape == (rows, 960) and y.is_contiguous()
+        assert torch.equal(y, torch.mm(w, F.pad(x, (0, 0, 0, cols - rows)).t()).t()[:rows])
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n", [2 * small_rows_linear.CHUNK, 2 * small_rows_linear.CHUNK + 1, 49152, 20000, 151936, 128256])
 def test_tall_weights_in_slabs_are_the_whole_products_bits(n):
     """The LM head's shape and ragged last slabs: each slab's sgemm sums exactly what the whole one sums."""
