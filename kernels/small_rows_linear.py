@@ -1,4 +1,5 @@
-"""Float32 dense linears of a few rows on CPUs without AVX-512: ``y = (W X^T)^T`` instead of ``X W^T``.
+"""Float32 dense linears of a few rows on CPUs without AVX-512: pdserve's own AVX2 kernel at 9-128 rows, and
+``y = (W X^T)^T`` instead of ``X W^T`` at 2-8.
 
 Why: a decode step of 2-128 sequences multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
 at those shapes runs well below the CPU's speed on a 2-core AMD EPYC (Zen 3, AVX2); the same sgemm with the operands'
@@ -8,9 +9,19 @@ swapped 21-22, 45, 65, 106, 193. At one row the two run alike; from ~160 rows on
 fast or faster (benchmarks/RESULTS.md). The tied LM head (49,152 x 576) gains the same way at 2-32 rows (18-20 ms ->
 5-16 ms at 4-16); the model calls its ``head_gemm``, which :func:`swap_linears` points here.
 
-Numerics: both are MKL's float32 sgemm over the same K; where this path does not serve the outputs are bit-equal,
-where it does they differ by float32 rounding (~5e-7 of the output), as batched rows already differ from a single
-row's GEMV. Greedy float32 output keeps transformers' tokens (the engine parity tests run on it where it applies).
+The swapped sgemm still runs at ~110 GFLOP/s at 32 rows, where MKL reaches ~175 on large products, and far slower
+at row counts off a multiple of 16 (31 rows: 125 ms vs 62 at 32). Above 8 rows the kernel here (:data:`SOURCE`)
+serves instead: the rows packed k-major in slabs of 16 (zeros past the last), the weight walked in tiles of 6 rows
+that each stay in L1 while every slab passes, 6 x 16 outputs in 12 AVX2 registers. Decoder linears at 16 / 32 / 64
+rows: 29 / 49 / 91 ms vs the swapped sgemm's 42 / 60 / 96 (at the padding below); the LM head at 32 rows 12 vs 16 ms;
+at 128 rows the two are even. Where the kernel cannot be built the sgemm serves those rows too, zero-padded.
+
+Numerics: the sgemm paths are MKL's float32 sgemm over the same K; where this module does not serve the outputs are
+bit-equal, where it does they differ by float32 rounding (~5e-7 of the output), as batched rows already differ from
+a single row's GEMV. The kernel adds each output's products in k order, in FMA chains of 128 whose sums are added in
+order: within a float32 sum's rounding of the exact product (tested against float64), and a row's bits depend on that
+row alone, not on the rows batched with it nor on the threads. Greedy float32 output keeps transformers' tokens (the
+engine parity tests run on it where it applies).
 
 Only where measured: float32 on CPUs without AVX-512 (there bf16 is emulated and ``--dtype auto`` picks float32); an
 AVX-512 host runs bf16 by default, with its own kernels. ``PDSERVE_CPU_SMALL_ROWS_GEMM=0`` keeps ``F.linear``.
@@ -19,13 +30,14 @@ AVX-512 host runs bf16 by default, with its own kernels. ``PDSERVE_CPU_SMALL_ROW
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import fused_f32_cpu
+from pdserve.kernels import cpp_build, fused_f32_cpu
 from pdserve.kernels.packed_linear import replace_linears
 
 log = logging.getLogger(__name__)
@@ -34,16 +46,108 @@ ROWS = range(2, 129)   # the row counts served; elsewhere F.linear
 # Rows of a tall weight per sgemm call: MKL runs the tied LM head (49,152 x 576) faster in slabs than whole, at 16-32
 # rows 13.8 -> 10.9 and 18.8 -> 15.8 ms (2 threads, Zen 3); the decoder's linears gain nothing (benchmarks/RESULTS.md).
 CHUNK = 3072
-# Above PAD_ABOVE rows, the rows go to the sgemm zero-padded to a multiple of PAD_TO: MKL runs W X^T at a multiple of
-# 16 columns far faster than at the columns around it (the default model's decoder linears, 2 threads, Zen 3: 11-15
-# rows 58-91 ms vs 43 at 16; 31 rows 125 vs 62 at 32; 47: 136 vs 81 at 48), and never much slower
-# (benchmarks/RESULTS.md). The padding's outputs are dropped by the transpose back.
+# Above PAD_ABOVE rows the kernel serves, or (where it cannot be built) the sgemm with the rows zero-padded to a
+# multiple of PAD_TO: MKL runs W X^T at a multiple of 16 columns far faster than at the columns around it (the default
+# model's decoder linears, 2 threads, Zen 3: 11-15 rows 58-91 ms vs 43 at 16; 31 rows 125 vs 62 at 32; 47: 136 vs 81
+# at 48), and never much slower (benchmarks/RESULTS.md). The padding's outputs are dropped by the transpose back.
 PAD_ABOVE, PAD_TO = 8, 16
 
 
 def padded(rows: int) -> int:
     """The columns the sgemm runs ``rows`` rows at: above :data:`PAD_ABOVE`, the next multiple of :data:`PAD_TO`."""
     return rows if rows <= PAD_ABOVE else -(-rows // PAD_TO) * PAD_TO
+
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+constexpr int64_t MR = 6, KC = 128;   // weight rows per tile; k per partial sum
+
+// out[j][i] (row stride N) = sum_k w[i][k] * xs[k][j] for M weight rows (row stride K) and a slab of 8 V columns of
+// x, packed k-major (xs[k][j]); only the slab's first `cols` columns are written. Each sum: KC-long FMA chains from
+// zero, added in k order: a column's bits depend on its own row of x alone, whatever else the slab holds.
+template <int M, int V>
+void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
+  alignas(32) float tot[M][8 * V];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    __m256 acc[M][V];
+    for (auto& r : acc) for (auto& a : r) a = _mm256_setzero_ps();
+    for (int64_t k = k0, k1 = std::min(K, k0 + KC); k < k1; k++) {
+      __m256 b[V];
+      for (int v = 0; v < V; v++) b[v] = _mm256_load_ps(xs + (k * V + v) * 8);
+      for (int i = 0; i < M; i++) {
+        const __m256 a = _mm256_broadcast_ss(w + i * K + k);
+        for (int v = 0; v < V; v++) acc[i][v] = _mm256_fmadd_ps(a, b[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < M; i++)
+      for (int v = 0; v < V; v++)
+        _mm256_store_ps(tot[i] + 8 * v, k0 ? _mm256_add_ps(_mm256_load_ps(tot[i] + 8 * v), acc[i][v]) : acc[i][v]);
+  }
+  for (int64_t j = 0; j < cols; j++)
+    for (int i = 0; i < M; i++) out[j * N + i] = tot[i][j];
+}
+
+void tiles(int64_t m, const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
+  switch (m) {
+    case 6: return tile<6, 2>(w, K, xs, out, N, cols);
+    case 5: return tile<5, 2>(w, K, xs, out, N, cols);
+    case 4: return tile<4, 2>(w, K, xs, out, N, cols);
+    case 3: return tile<3, 2>(w, K, xs, out, N, cols);
+    case 2: return tile<2, 2>(w, K, xs, out, N, cols);
+    default: return tile<1, 2>(w, K, xs, out, N, cols);
+  }
+}
+
+// x (T, K) @ w (N, K)^T -> (T, N), what F.linear(x, w) computes: x packed into k-major slabs of 16 of its rows (zeros
+// past T), the weight's rows in tiles of 6 spread over the threads, each tile read once from memory for all slabs.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+              w.is_contiguous() && x.size(1) == w.size(1), "x (T, K), w (N, K): float32, w contiguous");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0), S = (T + 15) / 16;
+  at::Tensor xp = at::zeros({S * K * 16 + 8}, x.options());   // 8 floats to align the slabs to 32 bytes
+  float* packed = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xp.data_ptr<float>()) + 31) & ~uintptr_t(31));
+  const auto xa = x.accessor<float, 2>();
+  for (int64_t j = 0; j < T; j++)
+    for (int64_t k = 0; k < K; k++) packed[(j / 16 * K + k) * 16 + j % 16] = xa[j][k];
+  at::Tensor y = at::empty({T, N}, x.options());
+  float* out = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, (N + MR - 1) / MR, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = b0 * MR; n < std::min(N, b1 * MR); n += MR)
+      for (int64_t s = 0; s < S; s++)
+        tiles(std::min(MR, N - n), wp + n * K, K, packed + s * K * 16, out + s * 16 * N + n, N,
+              std::min<int64_t>(16, T - 16 * s));
+  });
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY(pdserve_small_rows_f32_cpu, m) {
+  m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> str | None:
+    """Builds (first use on this host) or loads the kernel; None when it works here, else why not."""
+    from pdserve.runtime.cpu_features import cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        return "the small-rows float32 kernel needs AVX2 and FMA"
+    reason = cpp_build.build("pdserve_small_rows_f32_cpu", SOURCE, ["-O3", "-fopenmp", "-mavx2", "-mfma"],
+                             "the small-rows float32 GEMM kernel")
+    if reason:
+        log.warning("%s; small-rows linears run MKL's sgemm", reason)
+    return reason
 
 
 class SmallRowsLinear(nn.Linear):
@@ -68,16 +172,19 @@ def rows_of(x: torch.Tensor) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, as ``(W X^T)^T`` when ``x`` has a number of rows in :data:`ROWS` (the rows
-    zero-padded to :func:`padded` columns)."""
+    """``F.linear(x, weight, bias)``, for a number of rows in :data:`ROWS` on the kernel above :data:`PAD_ABOVE`
+    rows, else as ``(W X^T)^T`` (the rows zero-padded to :func:`padded` columns)."""
     rows = rows_of(x)
     if rows not in ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
     x2 = x.reshape(rows, -1)
-    if (cols := padded(rows)) != rows:
-        x2 = F.pad(x2, (0, 0, 0, cols - rows))
-    y = fused_f32_cpu.transposed(tall_mm(weight, x2.t()), rows)
+    if rows > PAD_ABOVE and weight.is_contiguous() and load_extension() is None:
+        y = torch.ops.pdserve_small_rows_f32_cpu.linear(x2, weight)
+    else:
+        if (cols := padded(rows)) != rows:
+            x2 = F.pad(x2, (0, 0, 0, cols - rows))
+        y = fused_f32_cpu.transposed(tall_mm(weight, x2.t()), rows)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,6 +1,8 @@
-"""Float32 linears of 2-128 rows as ``(W X^T)^T`` on CPUs without AVX-512 (kernels/small_rows_linear.py): within float32
-rounding of ``F.linear`` (bit-equal where it does not serve), a tall weight's slabs bit-equal to its whole product, the model's linears swapped without copies where it
-applies and nowhere else, and the engine really runs it with the same greedy tokens as ``F.linear``. Exact float32
+"""Float32 linears of 2-128 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), ``(W X^T)^T`` at 2-8 rows and
+pdserve's own kernel above: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and of float64,
+a row's bits independent of the rest of the batch and of the threads, a tall weight's slabs bit-equal to its whole
+product, the model's linears swapped without copies where it applies and nowhere else, and the engine really runs it
+with the same greedy tokens as ``F.linear``. Exact float32
 parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such
 CPUs."""
 
@@ -38,11 +40,14 @@ def test_same_products_as_f_linear(rows, bias):
     assert y3.shape == (1, rows, 960) and torch.equal(y3[0], y)
 
 
-def test_rows_go_to_the_sgemm_padded_to_a_multiple_of_16(monkeypatch):
-    """Above 8 rows the sgemm runs a multiple of 16 columns, zeros past the rows; only the rows come back."""
-    assert [small_rows_linear.padded(r) for r in (2, 8, 9, 16, 17, 31, 32, 33, 128)] == [2, 8, 16, 16, 32, 32, 32, 48, 128]
+def test_without_the_kernel_rows_go_to_the_sgemm_padded_to_a_multiple_of_16(monkeypatch):
+    """Where the kernel cannot build, above 8 rows MKL's sgemm runs a multiple of 16 columns, zeros past the rows;
+    only the rows come back."""
+    padded = [small_rows_linear.padded(r) for r in (2, 8, 9, 16, 17, 31, 32, 33, 128)]
+    assert padded == [2, 8, 16, 16, 32, 32, 32, 48, 128]
     seen, real = [], small_rows_linear.tall_mm
     monkeypatch.setattr(small_rows_linear, "tall_mm", lambda w, xt: seen.append(xt) or real(w, xt))
+    monkeypatch.setattr(small_rows_linear, "load_extension", lambda: "no compiler (test)")
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(960, 576, generator=gen) * 0.05
     for rows in (5, 9, 13, 31, 47):
@@ -53,6 +58,66 @@ def test_rows_go_to_the_sgemm_padded_to_a_multiple_of_16(monkeypatch):
         assert y.shape == (rows, 960) and y.is_contiguous()
         assert torch.equal(y, torch.mm(w, F.pad(x, (0, 0, 0, cols - rows)).t()).t()[:rows])
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+KERNEL = pytest.mark.skipif(small_rows_linear.load_extension() is not None, reason="the small-rows kernel needs "
+                            "AVX2 + FMA and a compiler")
+
+
+def _kernel(x, w):
+    return torch.ops.pdserve_small_rows_f32_cpu.linear(x, w)
+
+
+@KERNEL
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (7, 13), (13, 300), (1, 129)])
+def test_kernel_within_float32_rounding_of_float64(n, k):
+    """Every row count it serves, weights of any height (tiles of 6, ragged last) and K (partial sums of 128, ragged
+    last): within a float32 sum's rounding bound of the float64 product."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    for rows in (9, 15, 16, 17, 31, 32, 33, 64, 100, 128):
+        x = torch.randn(rows, k, generator=gen)
+        y, ref = _kernel(x, w), x.double() @ w.double().t()
+        assert y.shape == (rows, n) and y.is_contiguous()
+        bound = (x.double().abs() @ w.double().abs().t()) * (128 + k // 128 + 2) * 2.0 ** -24
+        assert ((y.double() - ref).abs() <= bound).all(), rows
+        torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@KERNEL
+def test_kernel_rows_do_not_depend_on_the_batch_or_the_threads():
+    """A row's output has the same bits whatever rows share its call (the zeros padding its slab, its place in it)
+    and on 1 or 2 threads; non-contiguous rows are read in place."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(3072, 576, generator=gen) * 0.05, torch.randn(40, 576, generator=gen)
+    y = _kernel(x, w)
+    for lo, hi in ((0, 9), (5, 14), (17, 40), (31, 40)):
+        assert torch.equal(_kernel(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    assert torch.equal(_kernel(torch.cat([x[::2], x[1::2]])[::1], w)[:20], y[::2])
+    big = torch.randn(40, 1152, generator=gen)
+    assert torch.equal(_kernel(big[:, ::2], w), _kernel(big[:, ::2].contiguous(), w))   # strided x
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_kernel(x, w), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@KERNEL
+def test_kernel_serves_above_8_rows_and_bad_shapes_are_errors(monkeypatch):
+    calls, real = [], small_rows_linear.tall_mm
+    monkeypatch.setattr(small_rows_linear, "tall_mm", lambda w, xt: calls.append(xt.shape[1]) or real(w, xt))
+    w = torch.randn(960, 576)
+    for rows in (2, 8, 9, 128):
+        x = torch.randn(rows, 576)
+        y = small_rows_linear.linear(x, w)
+        if rows > 8:
+            assert torch.equal(y, _kernel(x, w))
+    assert calls == [2, 8]   # MKL's sgemm only at 2-8 rows
+    for x, w2 in ((torch.randn(9, 576).double(), w), (torch.randn(9, 575), w), (torch.randn(9, 576), w.t().t()[:, ::2])):
+        with pytest.raises(RuntimeError, match="float32, w contiguous"):
+            _kernel(x, w2)
 
 
 @pytest.mark.parametrize("n", [2 * small_rows_linear.CHUNK, 2 * small_rows_linear.CHUNK + 1, 49152, 20000, 151936, 128256])
