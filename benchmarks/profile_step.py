@@ -30,7 +30,8 @@ RANGES = ["intake", "step", "schedule", "metadata", "forward", "layer stack", "g
 STACK_OPS = {   # the ops the layer stack calls, by the part they belong to (anything else it does: rope/elementwise)
     "pdserve_amx_linear::linear": "gemm", "pdserve_paged_cpu::decode": "attention",
     "pdserve_prefill_cpu::prefill": "attention", "pdserve_fused_cpu::rms_norm": "norm",
-    "pdserve_qf32::mm": "gemm", "aten::mm": "gemm", "aten::linear": "gemm", "pdserve_fused_f32_cpu::rms_norm": "norm"}
+    "pdserve_qf32::mm": "gemm", "aten::mm": "gemm", "aten::linear": "gemm", "pdserve_small_rows_f32_cpu::linear": "gemm",
+    "pdserve_fused_f32_cpu::rms_norm": "norm"}
 STACKS = ("pdserve_layer_stack_cpu::forward", "pdserve_layer_stack_f32_cpu::forward")   # the bf16 and float32 ops
 
 

@@ -4,8 +4,9 @@
 order and through torch's dispatcher: the fused float32 RMSNorm (with the residual add), RoPE and SiLU * up
 (kernels/fused_f32_cpu.py), each linear as its module computes it at this row count (its GGUF codes' f32_cpu product
 at 1-8 rows, kernels/gguf_codes_linear.py; ``(W X^T)^T`` at 2-8 rows and the small-rows kernel at 9-128,
-kernels/small_rows_linear.py; else ``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So its outputs equal the modules' bit
-for bit (tests/kernels/test_layer_stack_f32_cpu.py); only the Python between the ops is gone.
+kernels/small_rows_linear.py; else ``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So
+its outputs equal the modules' bit for bit (tests/kernels/test_layer_stack_f32_cpu.py); only the Python between the
+ops is gone.
 
 Why: on CPUs without AVX-512 (float32 by default) a decode step's ~16 ops a layer each cost a module call, argument
 checks and views from Python; the kernels/layer_stack_cpu.py measurement for bf16 found ~180 us a layer of it.
@@ -169,7 +170,9 @@ class Plain(NamedTuple):
 
 def _form(m: nn.Module) -> tuple[list[int], list[torch.Tensor]] | None:
     """A linear's [kind, bits, group_size, is_signed] and codes tensors (see the C++ ``linear``), or None: not plain."""
-    if type(m) not in (nn.Linear, SmallRowsLinear, CodesLinear) or m.bias is not None or m.weight.dtype != torch.float32:
+    w = m.weight
+    if type(m) not in (nn.Linear, SmallRowsLinear, CodesLinear) or m.bias is not None or w.dtype != torch.float32 \
+            or not w.is_contiguous():   # the small-rows kernel reads the weight's rows in place
         return None
     if type(m) is nn.Linear:
         return [0, 0, 0, 0], []
