@@ -35,7 +35,8 @@ def start_once(env: dict[str, str], timeout: float) -> float:
 
 
 KERNELS = ("amx_linear", "fused_cpu", "paged_decode_cpu", "paged_prefill_cpu", "layer_stack_cpu", "greedy_head_cpu",
-           "linear_f32_cpu", "fused_f32_cpu", "paged_prefill_f32_cpu", "layer_stack_f32_cpu")
+           "linear_f32_cpu", "fused_f32_cpu", "paged_prefill_f32_cpu", "small_rows_linear",
+           "layer_stack_f32_cpu")
 BUILD = """
 import importlib, sys, time
 for name in sys.argv[1:]:
