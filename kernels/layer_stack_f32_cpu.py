@@ -170,9 +170,8 @@ class Plain(NamedTuple):
 
 def _form(m: nn.Module) -> tuple[list[int], list[torch.Tensor]] | None:
     """A linear's [kind, bits, group_size, is_signed] and codes tensors (see the C++ ``linear``), or None: not plain."""
-    w = m.weight
-    if type(m) not in (nn.Linear, SmallRowsLinear, CodesLinear) or m.bias is not None or w.dtype != torch.float32 \
-            or not w.is_contiguous():   # the small-rows kernel reads the weight's rows in place
+    if type(m) not in (nn.Linear, SmallRowsLinear, CodesLinear) or m.bias is not None \
+            or m.weight.dtype != torch.float32 or not m.weight.is_contiguous():   # the kernels read it in place
         return None
     if type(m) is nn.Linear:
         return [0, 0, 0, 0], []

@@ -111,6 +111,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
               w.is_contiguous() && x.size(1) == w.size(1), "x (T, K), w (N, K): float32, w contiguous");
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0), S = (T + 15) / 16;
+  if (K == 0) return at::zeros({T, N}, x.options());   // empty sums (a tile's partial sums start at its first k)
   at::Tensor xp = at::zeros({S * K * 16 + 8}, x.options());   // 8 floats to align the slabs to 32 bytes
   float* packed = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xp.data_ptr<float>()) + 31) & ~uintptr_t(31));
   const auto xa = x.accessor<float, 2>();

@@ -115,6 +115,7 @@ def test_kernel_serves_above_8_rows_and_bad_shapes_are_errors(monkeypatch):
         if rows > 8:
             assert torch.equal(y, _kernel(x, w))
     assert calls == [2, 8]   # MKL's sgemm only at 2-8 rows
+    assert torch.equal(_kernel(torch.randn(9, 0), torch.randn(7, 0)), torch.zeros(9, 7))   # empty sums
     for x, w2 in ((torch.randn(9, 576).double(), w), (torch.randn(9, 575), w), (torch.randn(9, 576), w.t().t()[:, ::2])):
         with pytest.raises(RuntimeError, match="float32, w contiguous"):
             _kernel(x, w2)
