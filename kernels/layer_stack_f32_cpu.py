@@ -28,7 +28,6 @@ from pdserve.kernels import (cpp_build, fused_f32_cpu, gguf_codes_linear, linear
                              small_rows_linear)
 from pdserve.kernels.cpu_simd import STACK_PREAMBLE
 from pdserve.kernels.gguf_codes_linear import CodesLinear
-from pdserve.kernels.small_rows_linear import PAD_ABOVE
 from pdserve.kernels.small_rows_linear import ROWS as SMALL_ROWS
 from pdserve.kernels.small_rows_linear import SmallRowsLinear
 
@@ -204,7 +203,7 @@ def scan(model: Any) -> Plain | None:
         return None
     a = model.args
     dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1,
-            gguf_codes_linear.ROWS.stop - 1, PAD_ABOVE]
+            gguf_codes_linear.ROWS.stop - 1, small_rows_linear.PAD_ABOVE]
     return Plain(weights, forms, codes, dims, len(codes) // 3, forms[::4].count(1))
 
 

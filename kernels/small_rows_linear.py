@@ -69,25 +69,25 @@ SOURCE = r"""
 namespace {
 constexpr int64_t MR = 6, KC = 128;   // weight rows per tile; k per partial sum
 
-// out[j][i] (row stride N) = sum_k w[i][k] * xs[k][j] for M weight rows (row stride K) and a slab of 8 V columns of
+// out[j][i] (row stride N) = sum_k w[i][k] * xs[k][j] for M weight rows (row stride K) and a slab of 16 columns of
 // x, packed k-major (xs[k][j]); only the slab's first `cols` columns are written. Each sum: KC-long FMA chains from
 // zero, added in k order: a column's bits depend on its own row of x alone, whatever else the slab holds.
-template <int M, int V>
+template <int M>
 void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
-  alignas(32) float tot[M][8 * V];
+  alignas(32) float tot[M][16];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    __m256 acc[M][V];
-    for (auto& r : acc) for (auto& a : r) a = _mm256_setzero_ps();
+    __m256 acc[M][2];
+    for (auto& r : acc) r[0] = r[1] = _mm256_setzero_ps();
     for (int64_t k = k0, k1 = std::min(K, k0 + KC); k < k1; k++) {
-      __m256 b[V];
-      for (int v = 0; v < V; v++) b[v] = _mm256_load_ps(xs + (k * V + v) * 8);
+      const __m256 b0 = _mm256_load_ps(xs + k * 16), b1 = _mm256_load_ps(xs + k * 16 + 8);
       for (int i = 0; i < M; i++) {
         const __m256 a = _mm256_broadcast_ss(w + i * K + k);
-        for (int v = 0; v < V; v++) acc[i][v] = _mm256_fmadd_ps(a, b[v], acc[i][v]);
+        acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
       }
     }
     for (int i = 0; i < M; i++)
-      for (int v = 0; v < V; v++)
+      for (int v = 0; v < 2; v++)
         _mm256_store_ps(tot[i] + 8 * v, k0 ? _mm256_add_ps(_mm256_load_ps(tot[i] + 8 * v), acc[i][v]) : acc[i][v]);
   }
   for (int64_t j = 0; j < cols; j++)
@@ -96,12 +96,12 @@ void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int
 
 void tiles(int64_t m, const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
   switch (m) {
-    case 6: return tile<6, 2>(w, K, xs, out, N, cols);
-    case 5: return tile<5, 2>(w, K, xs, out, N, cols);
-    case 4: return tile<4, 2>(w, K, xs, out, N, cols);
-    case 3: return tile<3, 2>(w, K, xs, out, N, cols);
-    case 2: return tile<2, 2>(w, K, xs, out, N, cols);
-    default: return tile<1, 2>(w, K, xs, out, N, cols);
+    case 6: return tile<6>(w, K, xs, out, N, cols);
+    case 5: return tile<5>(w, K, xs, out, N, cols);
+    case 4: return tile<4>(w, K, xs, out, N, cols);
+    case 3: return tile<3>(w, K, xs, out, N, cols);
+    case 2: return tile<2>(w, K, xs, out, N, cols);
+    default: return tile<1>(w, K, xs, out, N, cols);
   }
 }
 
