@@ -1,13 +1,14 @@
-"""Float32 steps of 1-8 rows on the GGUF codes a dense model was dequantized from (CPUs without AVX-512).
+"""Float32 steps of 1-4 rows on the GGUF codes a dense model was dequantized from (CPUs without AVX-512).
 
 Why: the default model ships as a Q4_1 GGUF and runs dense float32 on CPUs without native bf16 (``--dtype auto``).
 A decode step of one sequence then reads 424 MB of float32 decoder weights and the 113 MB tied LM head, which is
 what kept one running sequence at 0.25x llama.cpp on a 2-core AMD EPYC (Zen 3, AVX2). The same values as their GGUF
 blocks (Q4_1: 4-bit codes, a float32 scale and minimum per 32) are 80 MB, and the f32_cpu kernel's AVX2 path
 (kernels/linear_f32_cpu.py) reads them in place, converting codes in registers. The model's 120 decoder linears, 2
-threads: 28 -> 8 ms at one row, 21 -> 10 at 2, 21 -> 16 at 4, 36 -> 31 at 8 (against the swapped MKL sgemm of
-kernels/small_rows_linear.py), slower from 16 rows on. So each linear keeps its dense weight for steps of more rows
-(prefill, busy decode) and runs steps of 1-8 rows on the codes; the tied LM head the same on the Q8_0 embedding's.
+threads: 21 -> 10 ms at one row, 21 -> 12 at 2, 22 -> 18 at 4 against the small-rows kernel on the dense weight
+(kernels/small_rows_linear.py, which prefetches the weight), but slower from 5 rows on (27 vs 22 ms at 5, 34 vs 23
+at 8). So each linear keeps its dense weight for steps of more rows (prefill, busy decode) and runs steps of 1-4 rows
+on the codes; the tied LM head the same on the Q8_0 embedding's (1.4 vs 5.1 ms at one row, 2.9 vs 5.0 at 4).
 
 Exactness: attached only where the codes dequantize to the dense weight bit for bit (checked in full when the codes
 are first read from the GGUF file and cached, and on their first and last rows at every start-up), so the weights are
@@ -35,11 +36,11 @@ from pdserve.kernels.small_rows_linear import SmallRowsLinear
 
 log = logging.getLogger(__name__)
 
-ROWS = range(1, 9)   # the row counts served on the codes; elsewhere the dense weight
+ROWS = range(1, 5)   # the row counts served on the codes; elsewhere the dense weight
 
 
 def product(codes: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` times the dense ``weight`` (and ``bias``): 1-8 rows on ``codes`` (the same values, bias included), else
+    """``x`` times the dense ``weight`` (and ``bias``): 1-4 rows on ``codes`` (the same values, bias included), else
     the small-rows path on ``weight``. A tied LM head's ``head_gemm`` is this with its codes bound."""
     if small_rows_linear.rows_of(x) in ROWS:
         CodesLinear.served += 1
@@ -48,7 +49,7 @@ def product(codes: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 class CodesLinear(SmallRowsLinear):
-    """A dense float32 linear (its own parameters) that runs products of 1-8 rows on ``codes``, an f32_cpu linear
+    """A dense float32 linear (its own parameters) that runs products of 1-4 rows on ``codes``, an f32_cpu linear
     over the same values."""
 
     served = 0
@@ -91,7 +92,7 @@ def attach(model: nn.Module, gguf: Path | None, device: torch.device, dtype: tor
         setattr(model.get_submodule(parent), child, new)
         count += 1
     if count:
-        log.info("GGUF codes: %d float32 linears%s run 1-8 rows on their GGUF blocks", count,
+        log.info("GGUF codes: %d float32 linears%s run 1-4 rows on their GGUF blocks", count,
                  " and the LM head" if isinstance(model.head_gemm, functools.partial) else "")
     return count
 

@@ -3,8 +3,8 @@
 :func:`forward` runs, for every layer, the ops the eager modules (runtime/models/llama.py) run on this path, in the same
 order and through torch's dispatcher: the fused float32 RMSNorm (with the residual add), RoPE and SiLU * up
 (kernels/fused_f32_cpu.py), each linear as its module computes it at this row count (its GGUF codes' f32_cpu product
-at 1-8 rows, kernels/gguf_codes_linear.py; ``(W X^T)^T`` at 2-8 rows and the small-rows kernel at 9-128,
-kernels/small_rows_linear.py; else ``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So
+at 1-4 rows, kernels/gguf_codes_linear.py; the small-rows kernel at 1-128, kernels/small_rows_linear.py; else
+``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So
 its outputs equal the modules' bit for bit (tests/kernels/test_layer_stack_f32_cpu.py); only the Python between the
 ops is gone.
 
@@ -42,16 +42,9 @@ struct Ops {  // resolved once (their libraries are loaded before the first call
   c10::TypedOperatorHandle<Decode> decode = op<Decode>("pdserve_paged_cpu::decode");
 };
 
-using Transpose = at::Tensor(const at::Tensor&, int64_t);
-
-const c10::TypedOperatorHandle<Transpose>& transpose_op() {   // (N, T) -> (T, N): the small rows' product back
-  static const auto handle = op<Transpose>("pdserve_fused_f32_cpu::transpose");
-  return handle;
-}
-
 using SmallRows = at::Tensor(const at::Tensor&, const at::Tensor&);
 
-const c10::TypedOperatorHandle<SmallRows>& small_rows_op() {   // x (T, K) @ w^T above pad_above rows
+const c10::TypedOperatorHandle<SmallRows>& small_rows_op() {   // x (T, K) @ w^T
   static const auto handle = op<SmallRows>("pdserve_small_rows_f32_cpu::linear");
   return handle;
 }
@@ -62,9 +55,8 @@ const c10::TypedOperatorHandle<Codes>& codes_op() {  // only where some linear h
 }
 
 // One linear as its module computes x (T, K) at T rows. form: [kind, bits, group_size, is_signed], kind 0 F.linear,
-// 1 small rows (at rows in [lo, hi]: (W X^T)^T, above `above` rows the small-rows kernel), 2 small rows with GGUF
-// codes (codes' product at 1..codes_hi rows); codes: [codes, scale, zero (empty: none)] for kind 2;
-// rows: [lo, hi, codes_hi, above].
+// 1 small rows (the small-rows kernel at rows in [lo, hi]), 2 small rows with GGUF codes (codes' product at
+// 1..codes_hi rows); codes: [codes, scale, zero (empty: none)] for kind 2; rows: [lo, hi, codes_hi].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* form, const at::Tensor* codes,
                   const int64_t* rows) {
   const int64_t T = x.size(0);
@@ -72,8 +64,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const int64_t* form,
     const OptT zero = codes[2].numel() ? OptT(codes[2]) : OptT();
     return codes_op().call(x.contiguous(), codes[0], codes[1], zero, form[1], form[2], form[3] != 0);
   }
-  if (form[0] >= 1 && T >= rows[0] && T <= rows[1])
-    return T <= rows[3] ? transpose_op().call(at::mm(w, x.t()), T) : small_rows_op().call(x, w);
+  if (form[0] >= 1 && T >= rows[0] && T <= rows[1]) return small_rows_op().call(x, w);
   return at::linear(x, w);
 }
 
@@ -87,8 +78,7 @@ void write_kv(float* dst, int64_t w, const at::Tensor& k, const at::Tensor& v, c
 
 // h (T, hidden) float32, every token a decode, through every layer -> the residual stream after the last (before the
 // final norm). weights: per layer [input norm, qkv, o, post-attention norm, gate_up, down]; forms: per layer 4 x 4
-// ints (see linear); codes: per kind-2 linear 3 tensors, in order; dims: [H, Hkv, D, small lo, small hi, codes hi,
-// small-rows kernel above];
+// ints (see linear); codes: per kind-2 linear 3 tensors, in order; dims: [H, Hkv, D, small lo, small hi, codes hi];
 // kv_cache (num_blocks, layers, 2, bs, Hkv, D); kv_idx: the cache rows taking this step's K then V.
 at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                    at::TensorList weights, at::IntArrayRef forms, at::TensorList codes, at::IntArrayRef dims,
@@ -96,8 +86,8 @@ at::Tensor forward(const at::Tensor& h0, const at::Tensor& cos, const at::Tensor
                    const at::Tensor& lens) {
   static const Ops ops;
   const int64_t L = kv_cache.dim() == 6 ? kv_cache.size(1) : 0;
-  TORCH_CHECK(dims.size() == 7 && L > 0 && (int64_t)weights.size() == 6 * L && (int64_t)forms.size() == 16 * L,
-              "dims: 7 sizes; weights: 6, forms: 16 per layer of kv_cache");
+  TORCH_CHECK(dims.size() == 6 && L > 0 && (int64_t)weights.size() == 6 * L && (int64_t)forms.size() == 16 * L,
+              "dims: 6 sizes; weights: 6, forms: 16 per layer of kv_cache");
   int64_t coded = 0;
   for (int64_t i = 0; i < 4 * L; i++) coded += forms[4 * i] == 2;
   TORCH_CHECK((int64_t)codes.size() == 3 * coded, "codes: 3 tensors per coded linear");
@@ -203,7 +193,7 @@ def scan(model: Any) -> Plain | None:
         return None
     a = model.args
     dims = [a.num_heads, a.num_kv_heads, a.head_dim, SMALL_ROWS.start, SMALL_ROWS.stop - 1,
-            gguf_codes_linear.ROWS.stop - 1, small_rows_linear.PAD_ABOVE]
+            gguf_codes_linear.ROWS.stop - 1]
     return Plain(weights, forms, codes, dims, len(codes) // 3, forms[::4].count(1))
 
 

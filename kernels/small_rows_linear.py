@@ -1,7 +1,7 @@
-"""Float32 dense linears of a few rows on CPUs without AVX-512: pdserve's own AVX2 kernel at 9-128 rows, and
-``y = (W X^T)^T`` instead of ``X W^T`` at 2-8.
+"""Float32 dense linears of 1-128 rows on CPUs without AVX-512: pdserve's own AVX2 kernel, or where it cannot be
+built ``y = (W X^T)^T`` instead of ``X W^T`` at 2-128.
 
-Why: a decode step of 2-128 sequences multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
+Why: a decode step of 1-128 sequences multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
 at those shapes runs well below the CPU's speed on a 2-core AMD EPYC (Zen 3, AVX2); the same sgemm with the operands'
 roles swapped (the weight as the left-hand matrix, the few rows as the right-hand columns) does not. The default
 model's 120 decoder linears, 2 threads: ``F.linear`` 50 ms at 2-4 rows, 54 at 16, 95 at 32, 143 at 64, 238 at 128;
@@ -10,11 +10,13 @@ fast or faster (benchmarks/RESULTS.md). The tied LM head (49,152 x 576) gains th
 5-16 ms at 4-16); the model calls its ``head_gemm``, which :func:`swap_linears` points here.
 
 The swapped sgemm still runs at ~110 GFLOP/s at 32 rows, where MKL reaches ~175 on large products, and far slower
-at row counts off a multiple of 16 (31 rows: 125 ms vs 62 at 32). Above 8 rows the kernel here (:data:`SOURCE`)
-serves instead: the rows packed k-major in slabs of 16 (zeros past the last), the weight walked in tiles of 6 rows
-that each stay in L1 while every slab passes, 6 x 16 outputs in 12 AVX2 registers. Decoder linears at 16 / 32 / 64
-rows: 29 / 49 / 91 ms vs the swapped sgemm's 42 / 60 / 96 (at the padding below); the LM head at 32 rows 12 vs 16 ms;
-at 128 rows the two are even. Where the kernel cannot be built the sgemm serves those rows too, zero-padded.
+at row counts off a multiple of 16 (31 rows: 125 ms vs 62 at 32). The kernel here (:data:`SOURCE`) serves instead:
+the rows packed k-major in slabs of 16 (zeros past the last), the weight walked in tiles of 6 rows that each stay in
+cache while every slab passes, 6 x 16 outputs in 12 AVX2 registers, the next tile prefetched meanwhile (the weight
+streams from memory, and without it a tile's first slab waits on it). Decoder linears at 1 / 8 / 16 / 32 / 64 rows:
+21 / 22 / 22 / 42 / 83 ms vs 29 (``F.linear``) / 40 / 42 / 60 / 96 for the sgemm at the padding below; the LM head
+at 32 rows 10 vs 16 ms; at 128 rows the two are even. Where the kernel cannot be built the sgemm serves 2-128
+rows, zero-padded.
 
 Numerics: the sgemm paths are MKL's float32 sgemm over the same K; where this module does not serve the outputs are
 bit-equal, where it does they differ by float32 rounding (~5e-7 of the output), as batched rows already differ from
@@ -42,14 +44,14 @@ from pdserve.kernels.packed_linear import replace_linears
 
 log = logging.getLogger(__name__)
 
-ROWS = range(2, 129)   # the row counts served; elsewhere F.linear
+ROWS = range(1, 129)   # the row counts served (the sgemm fallback: from 2); elsewhere F.linear
 # Rows of a tall weight per sgemm call: MKL runs the tied LM head (49,152 x 576) faster in slabs than whole, at 16-32
 # rows 13.8 -> 10.9 and 18.8 -> 15.8 ms (2 threads, Zen 3); the decoder's linears gain nothing (benchmarks/RESULTS.md).
 CHUNK = 3072
-# Above PAD_ABOVE rows the kernel serves, or (where it cannot be built) the sgemm with the rows zero-padded to a
-# multiple of PAD_TO: MKL runs W X^T at a multiple of 16 columns far faster than at the columns around it (the default
-# model's decoder linears, 2 threads, Zen 3: 11-15 rows 58-91 ms vs 43 at 16; 31 rows 125 vs 62 at 32; 47: 136 vs 81
-# at 48), and never much slower (benchmarks/RESULTS.md). The padding's outputs are dropped by the transpose back.
+# Where the kernel cannot be built, above PAD_ABOVE rows the sgemm runs the rows zero-padded to a multiple of PAD_TO:
+# MKL runs W X^T at a multiple of 16 columns far faster than at the columns around it (the default model's decoder
+# linears, 2 threads, Zen 3: 11-15 rows 58-91 ms vs 43 at 16; 31 rows 125 vs 62 at 32; 47: 136 vs 81 at 48), and
+# never much slower (benchmarks/RESULTS.md). The padding's outputs are dropped by the transpose back.
 PAD_ABOVE, PAD_TO = 8, 16
 
 
@@ -71,15 +73,20 @@ constexpr int64_t MR = 6, KC = 128;   // weight rows per tile; k per partial sum
 
 // out[j][i] (row stride N) = sum_k w[i][k] * xs[k][j] for M weight rows (row stride K) and a slab of 16 columns of
 // x, packed k-major (xs[k][j]); only the slab's first `cols` columns are written. Each sum: KC-long FMA chains from
-// zero, added in k order: a column's bits depend on its own row of x alone, whatever else the slab holds.
+// zero, added in k order: a column's bits depend on its own row of x alone, whatever else the slab holds. Meanwhile
+// rows [p0, p1) of the next tile (`next`, row stride K) are prefetched into L2, a cache line of each per 16 k: the
+// weight comes from memory, and a tile's first slab would otherwise wait on it.
 template <int M>
-void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
+void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols, const float* next, int p0,
+          int p1) {
   alignas(32) float tot[M][16];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     __m256 acc[M][2];
     for (auto& r : acc) r[0] = r[1] = _mm256_setzero_ps();
     for (int64_t k = k0, k1 = std::min(K, k0 + KC); k < k1; k++) {
       const __m256 b0 = _mm256_load_ps(xs + k * 16), b1 = _mm256_load_ps(xs + k * 16 + 8);
+      if ((k & 15) == 0)
+        for (int i = p0; i < p1; i++) _mm_prefetch(reinterpret_cast<const char*>(next + i * K + k), _MM_HINT_T1);
       for (int i = 0; i < M; i++) {
         const __m256 a = _mm256_broadcast_ss(w + i * K + k);
         acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
@@ -94,19 +101,21 @@ void tile(const float* w, int64_t K, const float* xs, float* out, int64_t N, int
     for (int i = 0; i < M; i++) out[j * N + i] = tot[i][j];
 }
 
-void tiles(int64_t m, const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols) {
+void tiles(int64_t m, const float* w, int64_t K, const float* xs, float* out, int64_t N, int64_t cols,
+           const float* next, int p0, int p1) {
   switch (m) {
-    case 6: return tile<6>(w, K, xs, out, N, cols);
-    case 5: return tile<5>(w, K, xs, out, N, cols);
-    case 4: return tile<4>(w, K, xs, out, N, cols);
-    case 3: return tile<3>(w, K, xs, out, N, cols);
-    case 2: return tile<2>(w, K, xs, out, N, cols);
-    default: return tile<1>(w, K, xs, out, N, cols);
+    case 6: return tile<6>(w, K, xs, out, N, cols, next, p0, p1);
+    case 5: return tile<5>(w, K, xs, out, N, cols, next, p0, p1);
+    case 4: return tile<4>(w, K, xs, out, N, cols, next, p0, p1);
+    case 3: return tile<3>(w, K, xs, out, N, cols, next, p0, p1);
+    case 2: return tile<2>(w, K, xs, out, N, cols, next, p0, p1);
+    default: return tile<1>(w, K, xs, out, N, cols, next, p0, p1);
   }
 }
 
 // x (T, K) @ w (N, K)^T -> (T, N), what F.linear(x, w) computes: x packed into k-major slabs of 16 of its rows (zeros
-// past T), the weight's rows in tiles of 6 spread over the threads, each tile read once from memory for all slabs.
+// past T), the weight's rows in tiles of 6 spread over the threads, each tile read once from memory for all slabs;
+// the slabs' passes over a tile prefetch the thread's next tile, its rows shared out among them.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
               w.is_contiguous() && x.size(1) == w.size(1), "x (T, K), w (N, K): float32, w contiguous");
@@ -121,10 +130,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   float* out = y.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   at::parallel_for(0, (N + MR - 1) / MR, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t n = b0 * MR; n < std::min(N, b1 * MR); n += MR)
+    const int64_t end = std::min(N, b1 * MR);
+    for (int64_t n = b0 * MR; n < end; n += MR) {
+      const int64_t m = std::min(MR, end - n), next = std::clamp<int64_t>(end - n - MR, 0, MR);   // next tile's rows
       for (int64_t s = 0; s < S; s++)
-        tiles(std::min(MR, N - n), wp + n * K, K, packed + s * K * 16, out + s * 16 * N + n, N,
-              std::min<int64_t>(16, T - 16 * s));
+        tiles(m, wp + n * K, K, packed + s * K * 16, out + s * 16 * N + n, N, std::min<int64_t>(16, T - 16 * s),
+              next ? wp + (n + MR) * K : wp, int(next * s / S), int(next * (s + 1) / S));
+    }
   });
   return y;
 }
@@ -152,7 +164,7 @@ def load_extension() -> str | None:
 
 
 class SmallRowsLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters) whose products of 2-128 rows run as ``(W X^T)^T``."""
+    """An ``nn.Linear`` (same parameters) whose products of 1-128 rows run on :func:`linear`."""
 
     served = 0
 
@@ -173,14 +185,15 @@ def rows_of(x: torch.Tensor) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, for a number of rows in :data:`ROWS` on the kernel above :data:`PAD_ABOVE`
-    rows, else as ``(W X^T)^T`` (the rows zero-padded to :func:`padded` columns)."""
+    """``F.linear(x, weight, bias)``, for a number of rows in :data:`ROWS` on the kernel, or where it cannot serve
+    (not built, a strided weight) from 2 rows as ``(W X^T)^T`` (the rows zero-padded to :func:`padded` columns)."""
     rows = rows_of(x)
-    if rows not in ROWS:
+    kernel = rows in ROWS and weight.is_contiguous() and load_extension() is None
+    if not kernel and (rows < 2 or rows not in ROWS):
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
     x2 = x.reshape(rows, -1)
-    if rows > PAD_ABOVE and weight.is_contiguous() and load_extension() is None:
+    if kernel:
         y = torch.ops.pdserve_small_rows_f32_cpu.linear(x2, weight)
     else:
         if (cols := padded(rows)) != rows:
@@ -226,5 +239,5 @@ def swap_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     count = replace_linears(model, (torch.float32,), lambda parent, name, child: SmallRowsLinear.of(child))
     if hasattr(model, "head_gemm"):   # a tied LM head is no module: its product is the model's head_gemm
         model.head_gemm = linear
-    log.info("dense GEMMs: %d float32 linears and the LM head run 2-128 rows as (W X^T)^T", count)
+    log.info("dense GEMMs: %d float32 linears and the LM head run 1-128 rows on the small-rows path", count)
     return count

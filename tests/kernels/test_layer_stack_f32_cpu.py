@@ -88,7 +88,7 @@ def test_bad_arguments_are_errors():
     cache = torch.zeros(4, 1, 2, 16, 1, 64)
     weights = [torch.ones(64), torch.zeros(192, 64), torch.zeros(64, 64), torch.ones(64), torch.zeros(256, 64),
                torch.zeros(64, 128)]
-    forms, dims, idx = [0] * 16, [1, 1, 64, 2, 128, 8, 8], torch.tensor([0, 1, 16, 17])
+    forms, dims, idx = [0] * 16, [1, 1, 64, 1, 128, 4], torch.tensor([0, 1, 16, 17])
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     args = dict(h=h, cos=cs, sin=cs, kv_cache=cache, weights=weights, forms=forms, codes=[], dims=dims, eps=1e-5,
                 scale=0.125, kv_idx=idx, tables=tables, lens=lens)

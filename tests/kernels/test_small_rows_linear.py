@@ -1,5 +1,5 @@
-"""Float32 linears of 2-128 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), ``(W X^T)^T`` at 2-8 rows and
-pdserve's own kernel above: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and of float64,
+"""Float32 linears of 1-128 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), on pdserve's own kernel or,
+where it cannot build, ``(W X^T)^T``: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and of float64,
 a row's bits independent of the rest of the batch and of the threads, a tall weight's slabs bit-equal to its whole
 product, the model's linears swapped without copies where it applies and nowhere else, and the engine really runs it
 with the same greedy tokens as ``F.linear``. Exact float32
@@ -32,8 +32,9 @@ def test_same_products_as_f_linear(rows, bias):
     before = SmallRowsLinear.served
     y, want = layer(x), F.linear(x, dense.weight, dense.bias)
     assert y.shape == want.shape and y.is_contiguous()
-    assert SmallRowsLinear.served - before == (2 <= rows <= 128)   # it served exactly the 2-128 row products
-    if rows in (1, 129, 300):
+    lowest = 1 if small_rows_linear.load_extension() is None else 2   # the sgemm fallback serves from 2 rows
+    assert SmallRowsLinear.served - before == (lowest <= rows <= 128)   # it served exactly those row products
+    if not lowest <= rows <= 128:
         assert torch.equal(y, want)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y3 = layer(x.view(1, rows, 576))   # leading dims are kept
@@ -75,7 +76,7 @@ def test_kernel_within_float32_rounding_of_float64(n, k):
     last): within a float32 sum's rounding bound of the float64 product."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen) * 0.05
-    for rows in (9, 15, 16, 17, 31, 32, 33, 64, 100, 128):
+    for rows in (1, 2, 5, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 128):
         x = torch.randn(rows, k, generator=gen)
         y, ref = _kernel(x, w), x.double() @ w.double().t()
         assert y.shape == (rows, n) and y.is_contiguous()
@@ -91,7 +92,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_the_threads():
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(3072, 576, generator=gen) * 0.05, torch.randn(40, 576, generator=gen)
     y = _kernel(x, w)
-    for lo, hi in ((0, 9), (5, 14), (17, 40), (31, 40)):
+    for lo, hi in ((0, 1), (7, 8), (0, 9), (5, 14), (17, 40), (31, 40)):
         assert torch.equal(_kernel(x[lo:hi], w), y[lo:hi]), (lo, hi)
     assert torch.equal(_kernel(torch.cat([x[::2], x[1::2]])[::1], w)[:20], y[::2])
     big = torch.randn(40, 1152, generator=gen)
@@ -105,16 +106,18 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_the_threads():
 
 
 @KERNEL
-def test_kernel_serves_above_8_rows_and_bad_shapes_are_errors(monkeypatch):
+def test_kernel_serves_1_to_128_rows_and_bad_shapes_are_errors(monkeypatch):
+    """Every row count it serves goes to the kernel (a strided weight to the sgemm); bad shapes raise."""
     calls, real = [], small_rows_linear.tall_mm
     monkeypatch.setattr(small_rows_linear, "tall_mm", lambda w, xt: calls.append(xt.shape[1]) or real(w, xt))
     w = torch.randn(960, 576)
-    for rows in (2, 8, 9, 128):
+    for rows in (1, 2, 8, 9, 128):
         x = torch.randn(rows, 576)
-        y = small_rows_linear.linear(x, w)
-        if rows > 8:
-            assert torch.equal(y, _kernel(x, w))
-    assert calls == [2, 8]   # MKL's sgemm only at 2-8 rows
+        assert torch.equal(small_rows_linear.linear(x, w), _kernel(x, w))
+    assert calls == []   # MKL's sgemm never ran
+    strided = torch.randn(576, 960).t()
+    small_rows_linear.linear(torch.randn(5, 576), strided)
+    assert calls == [5]
     assert torch.equal(_kernel(torch.randn(9, 0), torch.randn(7, 0)), torch.zeros(9, 7))   # empty sums
     for x, w2 in ((torch.randn(9, 576).double(), w), (torch.randn(9, 575), w), (torch.randn(9, 576), w.t().t()[:, ::2])):
         with pytest.raises(RuntimeError, match="float32, w contiguous"):
@@ -156,7 +159,7 @@ def test_engine_runs_it_with_the_same_greedy_tokens(monkeypatch):
         served[0] = SmallRowsLinear.served
         return served[0] - before, type(model.layers[0].mlp.down_proj), model.head_gemm
 
-    monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", "0")   # else its 1-8 row steps run on the GGUF codes (own test)
+    monkeypatch.setenv("PDSERVE_CPU_GGUF_CODES", "0")   # else its 1-4 row steps run on the GGUF codes (own test)
     runs = switch_runs(monkeypatch, "PDSERVE_CPU_SMALL_ROWS_GEMM", probe)
     (off, (off_served, off_type, off_head)), (on, (on_served, on_type, on_head)) = runs["0"], runs["1"]
     assert off_served == 0 and off_type is nn.Linear and off_head is F.linear
