@@ -74,8 +74,8 @@ class ModelRunner:
         self.device = device
         if envs.cpu_packed_gemm():
             pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
-        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 2-128 rows
-        gguf_codes_linear.attach(model, getattr(model, "gguf_source", None), device, dtype)   # and at 1-8 rows
+        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 1-128 rows
+        gguf_codes_linear.attach(model, getattr(model, "gguf_source", None), device, dtype)   # and at 1-4 rows
         self.extra_weight_bytes = gguf_codes_linear.codes_bytes(model)   # codes held next to the dense weights
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -123,16 +123,18 @@ class ModelRunner:
         states = self.batch.requests
         lora = nullcontext() if self.lora is None else self.lora.step_context(
             [states[r].lora_id for r in req_ids], meta.query_lens_cpu, self.device)
-        with lora:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)                   # (T, hidden)
         rows = [i for i, r in enumerate(req_ids)
                 if states[r].num_computed_tokens + out.num_scheduled_tokens[r] - len(spec.get(r, ()))
                 >= len(states[r].token_ids)]
+        last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
+        idx = torch.cat([torch.arange(-len(spec.get(req_ids[i], ())), 1, device=last.device) + last[i]
+                         for i in rows]) if rows else last[:0]                               # (N,)
+        keep = None if self.lora is not None or len(idx) == len(input_ids) else idx   # LoRA maps all T rows
+        with lora:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, keep)             # (T or N, hidden)
         if not rows:
             return None
-        last = meta.query_start_loc[1:].to(torch.int64) - 1                                 # (S,)
-        idx = torch.cat([torch.arange(-len(spec.get(req_ids[i], ())), 1, device=last.device) + last[i] for i in rows])
-        hidden = hidden[idx]                                                                 # (N, hidden)
+        hidden = hidden if keep is not None else hidden[idx]                                 # (N, hidden)
         sampled = [req_ids[i] for i in rows]
         if self._screens(sampled, spec, out):
             return ForwardOutput(sampled, None, hidden, greedy_ids=self.greedy_head(hidden))

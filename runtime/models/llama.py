@@ -148,7 +148,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or only the rows ``keep`` after attention (every row's K/V is still cached)."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)                             # (T, q_size + 2 * kv_size)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
@@ -165,8 +166,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))   # (T, Hkv, D)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)  # (T, H, D)
-        return self.o_proj(o.reshape(T, self.q_size))      # (T, hidden)
+        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale).reshape(T, self.q_size)  # (T, H * D)
+        return self.o_proj(o if keep is None else o[keep])   # (T or N, hidden)
 
 
 class MLP(nn.Module):
@@ -191,9 +192,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h, cos, sin, kv_layer, meta):
-        x, h = self.post_attention_layernorm.add_forward(
-            self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta), h)
+    def forward(self, h, cos, sin, kv_layer, meta, keep: torch.Tensor | None = None):
+        """(T, hidden) -> (T, hidden), or only the rows ``keep`` past attention (see :meth:`Attention.forward`)."""
+        a = self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta, keep)
+        x, h = self.post_attention_layernorm.add_forward(a, h if keep is None else h[keep])
         return h + self.mlp(x)
 
 
@@ -246,14 +248,19 @@ class LlamaForCausalLM(nn.Module):
         self.head_gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear   # the LM head's product
         self.layer_stack = LayerStack(self)   # a small bf16 CPU step's layers in one C++ call, where it applies
 
-    def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_cache, attn_meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (T, hidden), or (``keep``: row indices) only those rows': the last layer then runs
+        its output projection and MLP on them alone, since no other row's state is read (the K/V of every row is
+        cached before that). A prefill chunk samples at most its last row, so a long one skips most of a layer."""
         h = self.embed_tokens(input_ids)                                  # (T, hidden)
         cos, sin = self.cos_sin[positions].to(h.dtype).unbind(1)          # 2 x (T, D)
         cos, sin = cos[:, None, :], sin[:, None, :]                       # (T, 1, D): broadcast over heads
         if (out := self.layer_stack(h, cos, sin, kv_cache, attn_meta)) is not None:
-            return self.norm(out)
+            return self.norm(out if keep is None else out[keep])
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[:, i], attn_meta)
+            h = layer(h, cos, sin, kv_cache[:, i], attn_meta, keep if i == last else None)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
