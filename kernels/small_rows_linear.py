@@ -1,7 +1,7 @@
-"""Float32 dense linears of 1-128 rows on CPUs without AVX-512: pdserve's own AVX2 kernel, or where it cannot be
+"""Float32 dense linears of 1-256 rows on CPUs without AVX-512: pdserve's own AVX2 kernel, or where it cannot be
 built ``y = (W X^T)^T`` instead of ``X W^T`` at 2-128.
 
-Why: a decode step of 1-128 sequences multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
+Why: a decode step of 1-256 sequences (or a short prefill) multiplies that many rows by every weight. torch's ``F.linear`` (MKL's sgemm)
 at those shapes runs well below the CPU's speed on a 2-core AMD EPYC (Zen 3, AVX2); the same sgemm with the operands'
 roles swapped (the weight as the left-hand matrix, the few rows as the right-hand columns) does not. The default
 model's 120 decoder linears, 2 threads: ``F.linear`` 50 ms at 2-4 rows, 54 at 16, 95 at 32, 143 at 64, 238 at 128;
@@ -15,7 +15,8 @@ the rows packed k-major in slabs of 16 (zeros past the last), the weight walked 
 cache while every slab passes, 6 x 16 outputs in 12 AVX2 registers, the next tile prefetched meanwhile (the weight
 streams from memory, and without it a tile's first slab waits on it). Decoder linears at 1 / 8 / 16 / 32 / 64 rows:
 21 / 22 / 22 / 42 / 83 ms vs 29 (``F.linear``) / 40 / 42 / 60 / 96 for the sgemm at the padding below; the LM head
-at 32 rows 10 vs 16 ms; at 128 rows the two are even. Where the kernel cannot be built the sgemm serves 2-128
+at 32 rows 10 vs 16 ms. At 136-256 rows (a short prompt's step) it beats ``F.linear`` by 5-15% (cold weights,
+interleaved runs), and from ~300 rows the two are even. Where the kernel cannot be built the sgemm serves 2-128
 rows, zero-padded.
 
 Numerics: the sgemm paths are MKL's float32 sgemm over the same K; where this module does not serve the outputs are
@@ -44,7 +45,8 @@ from pdserve.kernels.packed_linear import replace_linears
 
 log = logging.getLogger(__name__)
 
-ROWS = range(1, 129)   # the row counts served (the sgemm fallback: from 2); elsewhere F.linear
+ROWS = range(1, 257)         # the row counts served on the kernel; elsewhere F.linear
+SGEMM_ROWS = range(2, 129)   # where the kernel cannot serve: the swapped sgemm's; elsewhere F.linear
 # Rows of a tall weight per sgemm call: MKL runs the tied LM head (49,152 x 576) faster in slabs than whole, at 16-32
 # rows 13.8 -> 10.9 and 18.8 -> 15.8 ms (2 threads, Zen 3); the decoder's linears gain nothing (benchmarks/RESULTS.md).
 CHUNK = 3072
@@ -164,7 +166,7 @@ def load_extension() -> str | None:
 
 
 class SmallRowsLinear(nn.Linear):
-    """An ``nn.Linear`` (same parameters) whose products of 1-128 rows run on :func:`linear`."""
+    """An ``nn.Linear`` (same parameters) whose products of 1-256 rows run on :func:`linear`."""
 
     served = 0
 
@@ -186,10 +188,11 @@ def rows_of(x: torch.Tensor) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, for a number of rows in :data:`ROWS` on the kernel, or where it cannot serve
-    (not built, a strided weight) from 2 rows as ``(W X^T)^T`` (the rows zero-padded to :func:`padded` columns)."""
+    (not built, a strided weight) at :data:`SGEMM_ROWS` as ``(W X^T)^T`` (the rows zero-padded to :func:`padded`
+    columns)."""
     rows = rows_of(x)
     kernel = rows in ROWS and weight.is_contiguous() and load_extension() is None
-    if not kernel and (rows < 2 or rows not in ROWS):
+    if not kernel and rows not in SGEMM_ROWS:
         return F.linear(x, weight, bias)
     SmallRowsLinear.served += 1
     x2 = x.reshape(rows, -1)
@@ -239,5 +242,5 @@ def swap_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     count = replace_linears(model, (torch.float32,), lambda parent, name, child: SmallRowsLinear.of(child))
     if hasattr(model, "head_gemm"):   # a tied LM head is no module: its product is the model's head_gemm
         model.head_gemm = linear
-    log.info("dense GEMMs: %d float32 linears and the LM head run 1-128 rows on the small-rows path", count)
+    log.info("dense GEMMs: %d float32 linears and the LM head run 1-256 rows on the small-rows path", count)
     return count

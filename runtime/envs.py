@@ -70,7 +70,7 @@ def cpu_packed_gemm() -> bool:
 
 
 def cpu_small_rows_gemm() -> bool:
-    """Whether float32 dense linears (and the LM head) of 1-128 rows on CPUs without AVX-512 run on pdserve's
+    """Whether float32 dense linears (and the LM head) of 1-256 rows on CPUs without AVX-512 run on pdserve's
     small-rows kernel (PDSERVE_CPU_SMALL_ROWS_GEMM, default on; ``0`` keeps ``F.linear``:
     kernels/small_rows_linear.py)."""
     return _switched_on("PDSERVE_CPU_SMALL_ROWS_GEMM")

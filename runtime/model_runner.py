@@ -74,7 +74,7 @@ class ModelRunner:
         self.device = device
         if envs.cpu_packed_gemm():
             pack_linears(model, device, dtype)   # bf16 on CPU: oneDNN-packed weights, bit-equal and faster at decode
-        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 1-128 rows
+        small_rows_linear.swap_linears(model, device, dtype)   # float32 on CPUs without AVX-512: faster at 1-256 rows
         gguf_codes_linear.attach(model, getattr(model, "gguf_source", None), device, dtype)   # and at 1-4 rows
         self.extra_weight_bytes = gguf_codes_linear.codes_bytes(model)   # codes held next to the dense weights
         self.block_size = block_size

@@ -1,4 +1,4 @@
-"""Float32 linears of 1-128 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), on pdserve's own kernel or,
+"""Float32 linears of 1-256 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), on pdserve's own kernel or,
 where it cannot build, ``(W X^T)^T``: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and of float64,
 a row's bits independent of the rest of the batch and of the threads, a tall weight's slabs bit-equal to its whole
 product, the model's linears swapped without copies where it applies and nowhere else, and the engine really runs it
@@ -19,7 +19,7 @@ from pdserve.kernels.small_rows_linear import SmallRowsLinear, applies, swap_lin
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 40, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 40, 128, 129, 256, 257, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_same_products_as_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -32,9 +32,10 @@ def test_same_products_as_f_linear(rows, bias):
     before = SmallRowsLinear.served
     y, want = layer(x), F.linear(x, dense.weight, dense.bias)
     assert y.shape == want.shape and y.is_contiguous()
-    lowest = 1 if small_rows_linear.load_extension() is None else 2   # the sgemm fallback serves from 2 rows
-    assert SmallRowsLinear.served - before == (lowest <= rows <= 128)   # it served exactly those row products
-    if not lowest <= rows <= 128:
+    served = small_rows_linear.ROWS if small_rows_linear.load_extension() is None else small_rows_linear.SGEMM_ROWS
+    assert served in (range(1, 257), range(2, 129))
+    assert SmallRowsLinear.served - before == (rows in served)   # it served exactly those row products
+    if rows not in served:
         assert torch.equal(y, want)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y3 = layer(x.view(1, rows, 576))   # leading dims are kept
@@ -59,6 +60,10 @@ def test_without_the_kernel_rows_go_to_the_sgemm_padded_to_a_multiple_of_16(monk
         assert y.shape == (rows, 960) and y.is_contiguous()
         assert torch.equal(y, torch.mm(w, F.pad(x, (0, 0, 0, cols - rows)).t()).t()[:rows])
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for rows in (1, 129, 200):   # outside the sgemm's rows: F.linear itself
+        x = torch.randn(rows, 576, generator=gen)
+        assert torch.equal(small_rows_linear.linear(x, w), F.linear(x, w))
+    assert len(seen) == 5
 
 
 KERNEL = pytest.mark.skipif(small_rows_linear.load_extension() is not None, reason="the small-rows kernel needs "
@@ -76,7 +81,7 @@ def test_kernel_within_float32_rounding_of_float64(n, k):
     last): within a float32 sum's rounding bound of the float64 product."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen) * 0.05
-    for rows in (1, 2, 5, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 128):
+    for rows in (1, 2, 5, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 128, 200, 256):
         x = torch.randn(rows, k, generator=gen)
         y, ref = _kernel(x, w), x.double() @ w.double().t()
         assert y.shape == (rows, n) and y.is_contiguous()
@@ -106,15 +111,17 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_the_threads():
 
 
 @KERNEL
-def test_kernel_serves_1_to_128_rows_and_bad_shapes_are_errors(monkeypatch):
+def test_kernel_serves_1_to_256_rows_and_bad_shapes_are_errors(monkeypatch):
     """Every row count it serves goes to the kernel (a strided weight to the sgemm); bad shapes raise."""
     calls, real = [], small_rows_linear.tall_mm
     monkeypatch.setattr(small_rows_linear, "tall_mm", lambda w, xt: calls.append(xt.shape[1]) or real(w, xt))
     w = torch.randn(960, 576)
-    for rows in (1, 2, 8, 9, 128):
+    for rows in (1, 2, 8, 9, 128, 256):
         x = torch.randn(rows, 576)
         assert torch.equal(small_rows_linear.linear(x, w), _kernel(x, w))
     assert calls == []   # MKL's sgemm never ran
+    x = torch.randn(257, 576)
+    assert torch.equal(small_rows_linear.linear(x, w), F.linear(x, w))   # past 256 rows: F.linear
     strided = torch.randn(576, 960).t()
     small_rows_linear.linear(torch.randn(5, 576), strided)
     assert calls == [5]
