@@ -1,10 +1,9 @@
 """Float32 linears of 1-256 rows on CPUs without AVX-512 (kernels/small_rows_linear.py), on pdserve's own kernel or,
-where it cannot build, ``(W X^T)^T``: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and of float64,
-a row's bits independent of the rest of the batch and of the threads, a tall weight's slabs bit-equal to its whole
-product, the model's linears swapped without copies where it applies and nowhere else, and the engine really runs it
-with the same greedy tokens as ``F.linear``. Exact float32
-parity with transformers runs on it through the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such
-CPUs."""
+where it cannot build, ``(W X^T)^T``: within float32 rounding of ``F.linear`` (bit-equal where it does not serve) and
+of float64, a row's bits independent of the rest of the batch and of the threads, a tall weight's slabs bit-equal to
+its whole product, the model's linears swapped without copies where it applies and nowhere else, and the engine
+really runs it with the same greedy tokens as ``F.linear``. Exact float32 parity with transformers runs on it through
+the unchanged parity tests (tests/runtime/test_engine_vs_hf.py) on such CPUs."""
 
 from __future__ import annotations
 
