@@ -4,9 +4,8 @@
 order and through torch's dispatcher: the fused float32 RMSNorm (with the residual add), RoPE and SiLU * up
 (kernels/fused_f32_cpu.py), each linear as its module computes it at this row count (its GGUF codes' f32_cpu product
 at 1-4 rows, kernels/gguf_codes_linear.py; the small-rows kernel at 1-256, kernels/small_rows_linear.py; else
-``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So
-its outputs equal the modules' bit for bit (tests/kernels/test_layer_stack_f32_cpu.py); only the Python between the
-ops is gone.
+``F.linear``), the new K/V rows copied into the cache, the paged decode kernel. So its outputs equal the modules' bit
+for bit (tests/kernels/test_layer_stack_f32_cpu.py); only the Python between the ops is gone.
 
 Why: on CPUs without AVX-512 (float32 by default) a decode step's ~16 ops a layer each cost a module call, argument
 checks and views from Python; the kernels/layer_stack_cpu.py measurement for bf16 found ~180 us a layer of it.

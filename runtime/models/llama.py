@@ -148,7 +148,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden), or only the rows ``keep`` after attention (every row's K/V is still cached)."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)                             # (T, q_size + 2 * kv_size)
