@@ -4,10 +4,11 @@ built ``y = (W X^T)^T`` instead of ``X W^T`` at 2-128.
 Why: a decode step of 1-256 sequences (or a short prefill) multiplies that many rows by every weight. torch's
 ``F.linear`` (MKL's sgemm) at those shapes runs well below the CPU's speed on a 2-core AMD EPYC (Zen 3, AVX2); the
 same sgemm with the operands' roles swapped (the weight as the left-hand matrix, the few rows as the right-hand
-columns) does not. The default model's 120 decoder linears, 2 threads: ``F.linear`` 50 ms at 2-4 rows, 54 at 16, 95 at 32, 143 at 64, 238 at 128;
-swapped 21-22, 45, 65, 106, 193. At one row the two run alike; from ~160 rows on (a prefill) ``F.linear`` is as
-fast or faster (benchmarks/RESULTS.md). The tied LM head (49,152 x 576) gains the same way at 2-32 rows (18-20 ms ->
-5-16 ms at 4-16); the model calls its ``head_gemm``, which :func:`swap_linears` points here.
+columns) does not. The default model's 120 decoder linears, 2 threads: ``F.linear`` 50 ms at 2-4 rows, 54 at 16, 95
+at 32, 143 at 64, 238 at 128; swapped 21-22, 45, 65, 106, 193. At one row the two run alike; from ~160 rows on (a
+prefill) ``F.linear`` is as fast or faster (benchmarks/RESULTS.md). The tied LM head (49,152 x 576) gains the same
+way at 2-32 rows (18-20 ms -> 5-16 ms at 4-16); the model calls its ``head_gemm``, which :func:`swap_linears` points
+here.
 
 The swapped sgemm still runs at ~110 GFLOP/s at 32 rows, where MKL reaches ~175 on large products, and far slower
 at row counts off a multiple of 16 (31 rows: 125 ms vs 62 at 32). The kernel here (:data:`SOURCE`) serves instead:
